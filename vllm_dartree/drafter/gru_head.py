@@ -1,0 +1,102 @@
+"""Domino's GRU correction head (jianuo-huang/Domino; facts in research/drafters.md, section 2).
+
+Per draft depth d with backbone hidden z_d and path state s (GRU over the target's input
+embeddings of the tokens chosen so far, starting from embed(root)):
+
+    logits_d = lm_head(z_d) + W2 . SiLU(W1 . [z_d ; s])
+    s'       = GRUCell(embed(token), s)          (PyTorch gate order r, z, n; no biases)
+
+Implements the correction-head contract of `vllm_dartree.tree.heads`: the W1 half that reads
+z_d is applied once per round (`prepare`), and W2 is evaluated only on the K candidate rows.
+Weight names follow the released checkpoints: `prefix_gru.weight_{ih,hh}_l0`,
+`embed_proj.0.weight` (W1, [E, H + G]) and `embed_proj.2.weight` (W2, [V, E]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["DominoGRUHead", "GRUPrepared"]
+
+
+@dataclass(frozen=True, slots=True)
+class GRUPrepared:
+    z_proj: torch.Tensor   # [R, D, E], W1[:, :H] . z_d for every depth
+    cand_w2: torch.Tensor  # [R, D, K, E], the W2 rows of each depth's candidates
+
+
+class DominoGRUHead(nn.Module):
+    """Bias-free GRU + SiLU MLP correction; depth 1 is left uncorrected (prefix length 1)."""
+
+    def __init__(self, hidden_size: int, gru_hidden_size: int, emb_dim: int, vocab_size: int,
+                 embed_weight: torch.Tensor, num_uncorrected: int = 1):
+        super().__init__()
+        if embed_weight.shape != (vocab_size, hidden_size):
+            raise ValueError(f"embed_weight {tuple(embed_weight.shape)} must be "
+                             f"[vocab_size, hidden_size] = [{vocab_size}, {hidden_size}]")
+        self.hidden_size, self.gru_hidden_size = hidden_size, gru_hidden_size
+        self.num_uncorrected = num_uncorrected
+        self.prefix_gru = nn.GRU(hidden_size, gru_hidden_size, num_layers=1, bias=False)
+        self.embed_proj = nn.Sequential(
+            nn.Linear(hidden_size + gru_hidden_size, emb_dim, bias=False),
+            nn.SiLU(),
+            nn.Linear(emb_dim, vocab_size, bias=False),
+        )
+        # The target's input embeddings: shared with the target, not a parameter of ours.
+        self.embed_weight = embed_weight.detach()
+        self._input_table: torch.Tensor | None = None
+
+    def use_input_table(self, enabled: bool = True) -> None:
+        """Fast path: precompute embed @ W_ih^T ([V, 3G]) so a GRU step's input is a gather."""
+        self._input_table = (self.embed_weight.to(self.w_ih.dtype) @ self.w_ih.T) \
+            if enabled else None
+
+    @property
+    def w_ih(self) -> torch.Tensor:
+        return self.prefix_gru.weight_ih_l0    # [3G, H]
+
+    @property
+    def w_hh(self) -> torch.Tensor:
+        return self.prefix_gru.weight_hh_l0    # [3G, G]
+
+    def gru_step(self, state: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """state [..., G], tokens [...] -> the next state [..., G]."""
+        if self._input_table is not None:
+            gi = self._input_table[tokens]
+        else:
+            gi = self.embed_weight[tokens].to(self.w_ih.dtype) @ self.w_ih.T
+        gh = state.to(self.w_hh.dtype) @ self.w_hh.T
+        i_r, i_z, i_n = gi.chunk(3, dim=-1)
+        h_r, h_z, h_n = gh.chunk(3, dim=-1)
+        reset = torch.sigmoid(i_r + h_r)
+        update = torch.sigmoid(i_z + h_z)
+        new = torch.tanh(i_n + reset * h_n)
+        return (1 - update) * new + update * state
+
+    # --- the correction-head contract (vllm_dartree.tree.heads.CorrectionHead) ---
+
+    def init(self, root_tokens: torch.Tensor) -> torch.Tensor:
+        zero = self.w_hh.new_zeros(root_tokens.shape[0], 1, self.gru_hidden_size)
+        return self.gru_step(zero, root_tokens[:, None])
+
+    def prepare(self, hidden: torch.Tensor, candidate_ids: torch.Tensor) -> GRUPrepared:
+        w1 = self.embed_proj[0].weight
+        z_proj = hidden.to(w1.dtype) @ w1[:, :self.hidden_size].T
+        return GRUPrepared(z_proj=z_proj, cand_w2=self.embed_proj[2].weight[candidate_ids])
+
+    def score(self, prepared: GRUPrepared, depth: int, state: torch.Tensor) -> torch.Tensor:
+        w1_state = self.embed_proj[0].weight[:, self.hidden_size:]                 # [E, G]
+        mid = nn.functional.silu(prepared.z_proj[:, depth, None, :] + state @ w1_state.T)
+        return torch.bmm(mid, prepared.cand_w2[:, depth].transpose(1, 2))          # [R, P, K]
+
+    def advance(self, state: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.gru_step(state, tokens)
+
+    # --- full-vocabulary form, for training and as a test oracle ---
+
+    def correction(self, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H], state [..., G] -> the full correction W2 . SiLU(W1 [z; s]), [..., V]."""
+        return self.embed_proj(torch.cat([hidden.to(state.dtype), state], dim=-1))

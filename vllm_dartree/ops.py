@@ -1,0 +1,65 @@
+"""The one dispatch point for kernels: Triton (csrc_triton) on CUDA tensors, torch elsewhere.
+
+Each op names its torch reference; the Triton modules are imported lazily, only when a CUDA
+tensor arrives, so CPU-only installs never import Triton here.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+
+import torch
+
+from vllm_dartree.tree.select import score_and_select_reference
+from vllm_dartree.tree.structure import ancestor_bitmask as ancestor_bitmask_reference
+from vllm_dartree.tree.structure import ancestor_mask as ancestor_mask_reference
+
+__all__ = ["use_triton", "ancestor_mask", "ancestor_bitmask", "score_and_select"]
+
+logger = logging.getLogger(__name__)
+
+
+@lru_cache(maxsize=1)
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        logger.warning("Triton is not importable: using the torch references on CUDA too.")
+        return False
+    return True
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """True when the Triton kernel serves this tensor (CUDA device and Triton present)."""
+    return tensor.is_cuda and _triton_available()
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
+    """[R, N] parents -> [R, 1 + N, 1 + N] bool ancestor-or-self mask of [root] + nodes."""
+    if use_triton(parents):
+        from vllm_dartree.csrc_triton.tree_mask import tree_ancestor_mask
+        return tree_ancestor_mask(parents, max_depth)
+    return ancestor_mask_reference(parents, max_depth)
+
+
+def ancestor_bitmask(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
+    """[R, N] parents -> [R, 1 + N, ceil((1 + N) / 32)] int32 packed ancestor mask."""
+    if use_triton(parents):
+        from vllm_dartree.csrc_triton.tree_mask import tree_ancestor_bitmask
+        return tree_ancestor_bitmask(parents, max_depth)
+    return ancestor_bitmask_reference(parents, max_depth)
+
+
+def score_and_select(
+    logits: torch.Tensor,
+    parent_scores: torch.Tensor,
+    log_norm: torch.Tensor | None,
+    quota: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One DARTree depth step; see `tree.select.score_and_select_reference`."""
+    if use_triton(logits):
+        from vllm_dartree.csrc_triton.dartree_step import fits, score_and_select_triton
+        if fits(logits, quota):
+            return score_and_select_triton(logits, parent_scores, log_norm, quota)
+    return score_and_select_reference(logits, parent_scores, log_norm, quota)

@@ -1,0 +1,205 @@
+"""Batched tree builders: DARTree (pruned, fixed), DDTree top-B, and the greedy chain.
+
+All of them are one depth-synchronous loop (`grow`), batched over R requests with static
+shapes and no host synchronisation; they differ only in the per-depth quota, in whether the
+correction head is used, and in the final selection (DARTree paper, Algorithm 1):
+
+1. Candidates per depth d: top-K of the base logits, shared by every parent at that depth.
+2. Depths d < head.num_uncorrected: log q = logit - logsumexp(full vocabulary).
+   Later depths: the head's corrected logits of the K candidates, renormalised over K.
+3. path score = parent score + log q; keep the global top-quota children per request
+   (pruned: W per depth; fixed: ceil(remaining / remaining depths), B in total).
+4. Advance the head's state for the kept children only.
+5. Pruned: global top-B of `score + beta * depth` over the whole supertree (Lemma 1: with
+   beta <= 0 and ties to ancestors this equals best-first search); re-sort the kept nodes
+   into topological order and remap their parents.
+
+DDTree (Ringel & Romano) is the same loop with no head, K = min(B, V), quota B per depth and
+beta = 0: a node of the global top-B always has its parent in the previous depth's top-B,
+so a width-B beam per depth holds the exact best-first tree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_dartree import ops
+from vllm_dartree.tree.heads import CorrectionHead, NoHead, gather_prefixes
+from vllm_dartree.tree.structure import TreeBatch, truncate
+
+__all__ = [
+    "CandidateTables",
+    "candidate_tables",
+    "grow",
+    "fixed_quotas",
+    "pruned_quotas",
+    "select_top_b",
+    "build_dartree",
+    "build_ddtree",
+    "build_chain",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateTables:
+    ids: torch.Tensor       # [R, D, K] int64, top-K base-logit tokens per depth, best first
+    logits: torch.Tensor    # [R, D, K] float32 (float64 in tests), their base logits
+    log_norm: torch.Tensor  # [R, D] same dtype, logsumexp of the full-vocabulary base logits
+
+
+def candidate_tables(base_logits: torch.Tensor, k: int) -> CandidateTables:
+    """base_logits [R, D, V] -> the shared per-depth candidates (top-k, k <= V)."""
+    logits = base_logits.to(torch.promote_types(base_logits.dtype, torch.float32))
+    vals, ids = torch.topk(logits, k, dim=-1)
+    return CandidateTables(ids=ids, logits=vals, log_norm=torch.logsumexp(logits, dim=-1))
+
+
+def pruned_quotas(num_depths: int, width: int, k: int) -> list[int]:
+    """W nodes at every depth (never more than the K candidates of one parent)."""
+    return [min(width, k)] * num_depths
+
+
+def fixed_quotas(budget: int, num_depths: int, k: int) -> list[int]:
+    """ceil(remaining / remaining depths) per depth, capped by what the parents can hold."""
+    quotas, remaining, parents = [], budget, 1
+    for d in range(num_depths):
+        quota = min(remaining, math.ceil(remaining / (num_depths - d)), parents * k)
+        quotas.append(quota)
+        remaining, parents = remaining - quota, quota
+    return [q for q in quotas if q > 0]
+
+
+def grow(
+    tables: CandidateTables,
+    head: CorrectionHead,
+    prepared: Any,
+    root_tokens: torch.Tensor,
+    quotas: list[int],
+) -> TreeBatch:
+    """Grow the depth-wise supertree; nodes come depth-major, best first within a depth.
+
+    root_tokens: [R] int64. quotas[d] nodes are kept at depth d + 1 (len(quotas) <= D).
+    """
+    num_req, _, k = tables.ids.shape
+    state = head.init(root_tokens)                                   # [R, 1, *S]
+    parent_scores = tables.logits.new_zeros(num_req, 1)              # [R, P]
+    parent_ids = root_tokens.new_full((num_req, 1), -1)              # [R, P] ledger index
+    tokens, parents, scores, depths = [], [], [], []
+    offset = 0
+    for d, quota in enumerate(quotas):
+        num_parents = parent_scores.shape[1]
+        if d < head.num_uncorrected:
+            logits = tables.logits[:, d, None, :].expand(num_req, num_parents, k)
+            log_norm = tables.log_norm[:, d]
+        else:
+            logits = tables.logits[:, d, None, :] + head.score(prepared, d, state)
+            log_norm = None
+        step_scores, parent_pos, rank = ops.score_and_select(logits, parent_scores, log_norm, quota)
+        step_tokens = torch.gather(tables.ids[:, d], 1, rank)         # [R, Q]
+        tokens.append(step_tokens)
+        parents.append(torch.gather(parent_ids, 1, parent_pos))
+        scores.append(step_scores)
+        depths.append(torch.full_like(step_tokens, d + 1))
+        if d + 1 < len(quotas):
+            state = head.advance(gather_prefixes(state, parent_pos), step_tokens)
+        parent_scores = step_scores
+        parent_ids = offset + torch.arange(quota, device=root_tokens.device).expand(num_req, -1)
+        offset += quota
+    cat = lambda xs: torch.cat(xs, dim=1)  # noqa: E731
+    supertree = TreeBatch(cat(tokens), cat(parents), cat(depths), cat(scores),
+                          num_nodes=root_tokens.new_full((num_req,), offset))
+    return _drop_invalid(supertree)
+
+
+def select_top_b(supertree: TreeBatch, budget: int, depth_bonus: float) -> TreeBatch:
+    """Global top-B of `score + depth_bonus * depth`, back in topological order.
+
+    The supertree must be depth-major (as `grow` makes it): a stable sort then breaks
+    ties towards shallower nodes, i.e. towards ancestors, as Lemma 1 requires.
+    """
+    num_req, m = supertree.tokens.shape
+    if budget >= m:
+        return supertree
+    key = supertree.scores + depth_bonus * supertree.depths.to(supertree.scores.dtype)
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :budget]
+    keep = torch.sort(order, dim=1).values                            # [R, B] topological
+    # old ledger index -> new index; column 0 stands for the root (-1 -> -1).
+    remap = keep.new_full((num_req, 1 + m), -1)
+    remap.scatter_(1, keep + 1, torch.arange(budget, device=keep.device).expand(num_req, -1))
+    old_parents = torch.gather(supertree.parents, 1, keep)
+    pick = lambda t: torch.gather(t, 1, keep)  # noqa: E731
+    pruned = TreeBatch(
+        tokens=pick(supertree.tokens),
+        parents=torch.gather(remap, 1, old_parents + 1),
+        depths=pick(supertree.depths),
+        scores=pick(supertree.scores),
+        num_nodes=torch.clamp(supertree.num_nodes, max=budget),
+    )
+    return _drop_invalid(pruned)
+
+
+def _drop_invalid(tree: TreeBatch) -> TreeBatch:
+    """Move nodes with a -inf score (zero draft probability) to the padding at the end.
+
+    Their descendants are -inf as well, so the valid nodes stay ancestor-closed; a stable
+    order keeps them topological.
+    """
+    num_req, n = tree.tokens.shape
+    valid = torch.isfinite(tree.scores) & (
+        torch.arange(n, device=tree.tokens.device)[None, :] < tree.num_nodes[:, None])
+    slots = torch.arange(n, device=tree.tokens.device).expand(num_req, -1)
+    order = torch.sort(slots + n * (~valid).long(), dim=1).values % n
+    remap = order.new_full((num_req, 1 + n), -1)
+    remap.scatter_(1, order + 1, slots)
+    pick = lambda t: torch.gather(t, 1, order)  # noqa: E731
+    moved = TreeBatch(
+        tokens=pick(tree.tokens),
+        parents=torch.gather(remap, 1, pick(tree.parents) + 1),
+        depths=pick(tree.depths),
+        scores=pick(tree.scores),
+        num_nodes=valid.sum(dim=1),
+    )
+    return truncate(moved, moved.num_nodes)
+
+
+def build_dartree(
+    tables: CandidateTables,
+    head: CorrectionHead,
+    prepared: Any,
+    root_tokens: torch.Tensor,
+    *,
+    variant: str,
+    budget: int,
+    width: int,
+    depth_bonus: float,
+) -> TreeBatch:
+    """DARTree: pruned (W per depth, then global top-B) or fixed (B spread over depths)."""
+    num_depths, k = tables.ids.shape[1], tables.ids.shape[2]
+    if variant == "pruned":
+        supertree = grow(tables, head, prepared, root_tokens, pruned_quotas(num_depths, width, k))
+        return select_top_b(supertree, budget, depth_bonus)
+    if variant == "fixed":
+        return grow(tables, head, prepared, root_tokens, fixed_quotas(budget, num_depths, k))
+    raise ValueError(f"variant = {variant!r} must be 'pruned' or 'fixed'")
+
+
+def build_ddtree(tables: CandidateTables, root_tokens: torch.Tensor, budget: int) -> TreeBatch:
+    """DDTree's best-first top-B over the uncorrected marginals, as one batched beam.
+
+    Use K = min(B, V) candidates per depth (as DDTree does) for the exact heap result.
+    """
+    num_depths, k = tables.ids.shape[1], tables.ids.shape[2]
+    supertree = grow(tables, NoHead(), None, root_tokens, pruned_quotas(num_depths, budget, k))
+    return select_top_b(supertree, budget, 0.0)
+
+
+def build_chain(
+    tables: CandidateTables, head: CorrectionHead, prepared: Any, root_tokens: torch.Tensor,
+) -> TreeBatch:
+    """One greedy path over all D depths: the argmax candidate at every depth, corrected by
+    the head along the chain itself (Domino chain) or not (NoHead: DFlash chain)."""
+    return grow(tables, head, prepared, root_tokens, [1] * tables.ids.shape[1])
