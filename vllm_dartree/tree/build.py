@@ -59,8 +59,17 @@ def candidate_tables(base_logits: torch.Tensor, k: int) -> CandidateTables:
 
 
 def pruned_quotas(num_depths: int, width: int, k: int) -> list[int]:
-    """W nodes at every depth (never more than the K candidates of one parent)."""
-    return [min(width, k)] * num_depths
+    """W nodes per depth, or all children when fewer exist (K at depth 1).
+
+    NOTE: the released code caps W at K at every depth; we cap at the P * K children
+    that exist, which is the same for W <= K (the paper's settings) and keeps the beam
+    exact for W > K (DDTree runs through here with W = B).
+    """
+    quotas, parents = [], 1
+    for _ in range(num_depths):
+        quotas.append(min(width, parents * k))
+        parents = quotas[-1]
+    return quotas
 
 
 def fixed_quotas(budget: int, num_depths: int, k: int) -> list[int]:
@@ -73,6 +82,7 @@ def fixed_quotas(budget: int, num_depths: int, k: int) -> list[int]:
     return [q for q in quotas if q > 0]
 
 
+@torch.no_grad()
 def grow(
     tables: CandidateTables,
     head: CorrectionHead,

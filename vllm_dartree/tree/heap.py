@@ -30,18 +30,18 @@ __all__ = ["ddtree_heap", "best_first_select", "build_sequential_heap"]
 _Node = tuple[int, int, int, float]  # (token, parent, depth, score)
 
 
-def _to_batch(per_request: list[list[_Node]], width: int, device: torch.device) -> TreeBatch:
+def _to_batch(per_request: list[list[_Node]], width: int, like: torch.Tensor) -> TreeBatch:
     """Pack per-request node lists (topological) into a padded TreeBatch of N = width."""
     num_req = len(per_request)
     tokens = torch.zeros(num_req, width, dtype=torch.long)
     parents = torch.full((num_req, width), -1, dtype=torch.long)
     depths = torch.zeros(num_req, width, dtype=torch.long)
-    scores = torch.full((num_req, width), float("-inf"))
+    scores = torch.full((num_req, width), float("-inf"), dtype=like.dtype)
     for r, nodes in enumerate(per_request):
         for i, (tok, par, dep, sc) in enumerate(nodes):
             tokens[r, i], parents[r, i], depths[r, i], scores[r, i] = tok, par, dep, sc
     num_nodes = torch.tensor([len(n) for n in per_request], dtype=torch.long)
-    return TreeBatch(*(t.to(device) for t in (tokens, parents, depths, scores, num_nodes)))
+    return TreeBatch(*(t.to(like.device) for t in (tokens, parents, depths, scores, num_nodes)))
 
 
 def ddtree_heap(tables: CandidateTables, budget: int) -> TreeBatch:
@@ -65,7 +65,7 @@ def ddtree_heap(tables: CandidateTables, budget: int) -> TreeBatch:
             if depth < num_depths:   # first child: best candidate one level down
                 heapq.heappush(heap, (neg - log_q[r][depth][0], next(tie), depth + 1, 0, me, -neg))
         trees.append(nodes)
-    return _to_batch(trees, budget, tables.ids.device)
+    return _to_batch(trees, budget, tables.logits)
 
 
 def best_first_select(tree: TreeBatch, budget: int, depth_bonus: float) -> list[set[int]]:
@@ -94,6 +94,7 @@ def best_first_select(tree: TreeBatch, budget: int, depth_bonus: float) -> list[
     return selected
 
 
+@torch.no_grad()
 def build_sequential_heap(
     tables: CandidateTables,
     head: CorrectionHead,
@@ -114,7 +115,7 @@ def build_sequential_heap(
         prepared = head.prepare(None if hidden is None else hidden[r:r + 1], one.ids)
         trees.append(_sequential_heap_one(one, head, prepared, root_tokens[r:r + 1], budget,
                                           depth_bonus))
-    return _to_batch(trees, budget, tables.ids.device)
+    return _to_batch(trees, budget, tables.logits)
 
 
 def _children(tables: CandidateTables, head: CorrectionHead, prepared: Any,
