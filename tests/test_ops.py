@@ -1,0 +1,29 @@
+"""The dispatch point: torch references on CPU, Triton only for CUDA tensors."""
+
+import torch
+
+from vllm_dartree import ops
+from vllm_dartree.tree import ancestor_mask
+
+
+def test_cpu_tensors_use_the_references(monkeypatch):
+    parents = torch.tensor([[-1, 0, 0, 1]])
+    assert not ops.use_triton(parents)
+    assert torch.equal(ops.ancestor_mask(parents), ancestor_mask(parents))
+    scores, pos, rank = ops.score_and_select(torch.randn(2, 3, 4), torch.zeros(2, 3), None, 5)
+    assert scores.shape == pos.shape == rank.shape == (2, 5)
+    assert (scores[:, :-1] >= scores[:, 1:]).all()
+
+
+def test_cuda_path_routes_to_the_kernels(monkeypatch):
+    """Pretend the tensor is on CUDA: the call must reach csrc_triton, which the interpreter
+    runs on CPU; results equal the reference."""
+    monkeypatch.setattr(ops, "use_triton", lambda t: True)
+    parents = torch.tensor([[-1, 0, 1, -1, 3]])
+    assert torch.equal(ops.ancestor_mask(parents), ancestor_mask(parents))
+    assert torch.equal(ops.ancestor_bitmask(parents)[0, :, 0],
+                       torch.tensor([1, 3, 7, 15, 17, 49], dtype=torch.int32))
+    logits, par = torch.randn(2, 3, 4), torch.zeros(2, 3)
+    got = ops.score_and_select(logits, par, None, 5)
+    ref = ops.score_and_select_reference(logits, par, None, 5)
+    assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])

@@ -1,0 +1,78 @@
+"""build_tree: the config picks the builder, K, the depth limit and the head."""
+
+import pytest
+import torch
+
+from tests.helpers import assert_valid_tree, node_paths
+from vllm_dartree import DARTreeConfig
+from vllm_dartree.tree import (
+    MarkovToyHead,
+    NoHead,
+    build_chain,
+    build_dartree,
+    build_ddtree,
+    build_sequential_heap,
+    build_tree,
+    candidate_tables,
+)
+
+R, D, V = 3, 6, 40
+
+
+@pytest.fixture
+def inputs():
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(R, D, V, generator=gen, dtype=torch.float64)
+    head = MarkovToyHead(torch.randn(D, V, V, generator=gen, dtype=torch.float64))
+    return logits, torch.randint(0, V, (R,), generator=gen), head
+
+
+def _same(a, b):
+    assert all(node_paths(a, r) == pytest.approx(node_paths(b, r)) for r in range(R))
+
+
+@pytest.mark.parametrize("variant", ["pruned", "fixed"])
+def test_dartree(inputs, variant):
+    logits, roots, head = inputs
+    cfg = DARTreeConfig(variant=variant, budget=10, width=4, topk=8)
+    tables = candidate_tables(logits, 8)
+    _same(build_tree(cfg, logits, None, roots, head),
+          build_dartree(tables, head, tables.ids, roots, variant=variant, budget=10, width=4,
+                        depth_bonus=-0.2))
+
+
+def test_ddtree_uses_min_budget_vocab_candidates(inputs):
+    logits, roots, head = inputs
+    cfg = DARTreeConfig(builder="ddtree", budget=12, topk=4)
+    _same(build_tree(cfg, logits, None, roots, head),
+          build_ddtree(candidate_tables(logits, 12), roots, 12))
+
+
+def test_chain_and_correction_off(inputs):
+    logits, roots, head = inputs
+    tables = candidate_tables(logits, 8)
+    chain = build_tree(DARTreeConfig(builder="chain", topk=8), logits, None, roots, head)
+    _same(chain, build_chain(tables, head, tables.ids, roots))
+    dflash = build_tree(DARTreeConfig(builder="chain", topk=8, correction=False), logits, None,
+                        roots, head)
+    assert torch.equal(dflash.tokens, logits.argmax(-1))     # uncorrected marginals' argmax
+    _same(build_tree(DARTreeConfig(topk=8, correction=False, budget=9), logits, None, roots, head),
+          build_dartree(tables, NoHead(), None, roots, variant="pruned", budget=8 + 1, width=12,
+                        depth_bonus=-0.2))
+
+
+def test_sequential_heap_and_max_depth(inputs):
+    logits, roots, head = inputs
+    cfg = DARTreeConfig(builder="sequential-heap", budget=7, topk=5, max_depth=3)
+    tree = build_tree(cfg, logits, None, roots, head)
+    assert_valid_tree(tree, 7, 3)
+    _same(tree, build_sequential_heap(candidate_tables(logits[:, :3], 5), head, None, roots,
+                                      budget=7, depth_bonus=-0.2))
+
+
+def test_config_errors_surface(inputs):
+    logits, roots, head = inputs
+    with pytest.raises(ValueError, match="max_depth"):
+        build_tree(DARTreeConfig(max_depth=D + 1, topk=8), logits, None, roots, head)
+    with pytest.raises(ValueError, match="topk"):
+        build_tree(DARTreeConfig(topk=V + 1), logits, None, roots, head)
