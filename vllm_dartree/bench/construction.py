@@ -40,6 +40,8 @@ def _make_head(args: argparse.Namespace, dtype: torch.dtype) -> DominoGRUHead:
     with torch.no_grad():
         for p in head.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    if args.input_table:
+        head.use_input_table()
     return head.eval()
 
 
@@ -87,17 +89,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="float32 on CPU: its bf16 GEMM for a few rows is slow there")
     parser.add_argument("--hidden", type=int, default=2560)
     parser.add_argument("--gru", type=int, default=1024)
     parser.add_argument("--emb", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--depths", type=int, default=16)
+    parser.add_argument("--no-input-table", dest="input_table", action="store_false",
+                        help="compute embed @ W_ih per GRU step instead of the [V, 3G] table "
+                             "(the released code's fast path, used by every method)")
     parser.add_argument("--json", help="also write the medians (ms) to this file")
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
           f"H {args.hidden} G {args.gru} E {args.emb} V {args.vocab} D {args.depths}, "
-          f"K 64 W 12 B 64 beta -0.2", flush=True)
+          f"K 64 W 12 B 64 beta -0.2, GRU input table {'on' if args.input_table else 'off'}",
+          flush=True)
     results = run(args)
     print(_table(results, args.batches))
     if args.json:

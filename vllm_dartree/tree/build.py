@@ -49,13 +49,24 @@ class CandidateTables:
     ids: torch.Tensor       # [R, D, K] int64, top-K base-logit tokens per depth, best first
     logits: torch.Tensor    # [R, D, K] float32 (float64 in tests), their base logits
     log_norm: torch.Tensor  # [R, D] same dtype, logsumexp of the full-vocabulary base logits
+    #                         (NaN at depths that are renormalised over K instead)
 
 
-def candidate_tables(base_logits: torch.Tensor, k: int) -> CandidateTables:
-    """base_logits [R, D, V] -> the shared per-depth candidates (top-k, k <= V)."""
+def candidate_tables(base_logits: torch.Tensor, k: int,
+                     num_normalised: int | None = None) -> CandidateTables:
+    """base_logits [R, D, V] -> the shared per-depth candidates (top-k, k <= V).
+
+    Only the first `num_normalised` depths (default all) get the full-vocabulary
+    normaliser; the others are renormalised over their K candidates and never read it
+    (NaN there), which saves a logsumexp over [R, D - 1, V] per round with a head.
+    """
     logits = base_logits.to(torch.promote_types(base_logits.dtype, torch.float32))
     vals, ids = torch.topk(logits, k, dim=-1)
-    return CandidateTables(ids=ids, logits=vals, log_norm=torch.logsumexp(logits, dim=-1))
+    depths = logits.shape[1] if num_normalised is None else min(num_normalised, logits.shape[1])
+    log_norm = torch.full(logits.shape[:2], float("nan"), dtype=logits.dtype,
+                          device=logits.device)
+    log_norm[:, :depths] = torch.logsumexp(logits[:, :depths], dim=-1)
+    return CandidateTables(ids=ids, logits=vals, log_norm=log_norm)
 
 
 def pruned_quotas(num_depths: int, width: int, k: int) -> list[int]:

@@ -45,9 +45,10 @@ def build_tree(
     depths = config.num_depths(base_logits.shape[1])
     if hidden is not None:
         hidden = hidden[:, :depths]
-    tables = candidate_tables(base_logits[:, :depths], num_candidates(config, vocab))
     if head is None or not config.correction:
         head = NoHead()
+    tables = candidate_tables(base_logits[:, :depths], num_candidates(config, vocab),
+                              num_normalised=head.num_uncorrected)
     if config.builder == "ddtree":
         return build_ddtree(tables, root_tokens, config.budget)
     if config.builder == "sequential-heap":
