@@ -26,6 +26,7 @@ from vllm_dartree.tree.build import (
 from vllm_dartree.tree.construct import build_tree, num_candidates
 from vllm_dartree.tree.heads import CorrectionHead, MarkovToyHead, NoHead
 from vllm_dartree.tree.heap import best_first_select, build_sequential_heap, ddtree_heap
+from vllm_dartree.tree.render import format_tree
 from vllm_dartree.tree.structure import (
     TreeBatch,
     ancestor_bitmask,
@@ -48,7 +49,7 @@ __all__ = [
     "CandidateTables", "CorrectionHead", "MarkovToyHead", "NoHead", "TreeBatch", "WalkResult",
     "ancestor_bitmask", "ancestor_mask", "best_first_select", "bitmask_to_mask", "build_chain",
     "build_dartree", "build_ddtree", "build_sequential_heap", "build_tree", "candidate_tables",
-    "ddtree_heap", "fixed_quotas", "greedy_walk", "grow", "mask_to_bitmask", "num_candidates",
+    "ddtree_heap", "fixed_quotas", "format_tree", "greedy_walk", "grow", "mask_to_bitmask", "num_candidates",
     "pruned_quotas", "sample_target_tokens", "sampled_walk", "select_top_b", "tree_positions",
     "truncate", "valid_node_mask", "walk",
 ]
