@@ -17,7 +17,7 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[cpu,dev]'
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
-	$(PY) -c "import torch, transformers, vllm_dartree, vllm_dartree.csrc_triton; print('installed: torch', torch.__version__)"
+	$(PY) -c "import torch, vllm_dartree, vllm_dartree.csrc_triton; from transformers import LlamaForCausalLM; print('installed: torch', torch.__version__)"
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -1,10 +1,10 @@
 """Per-round tree construction time at Qwen3-4B-like shapes, every builder in one run.
 
-    python -m vllm_dartree.bench.construction [--batches 1 8] [--repeats 7] [--json FILE]
+    python -m vllm_dartree.bench.construction [--batches 1 8] [--repeats 15] [--json FILE]
 
 What one "round" includes, for every method: the top-K candidate tables from the base
 logits [R, D, V], the head's per-round projections, and the tree build itself (no backbone,
-no target). The Domino-shaped GRU head has random weights (H 2560, G 1024, E 256,
+no target); the methods take turns within every repeat. The Domino-shaped GRU head has random weights (H 2560, G 1024, E 256,
 V 151936); trees use K 64, W 12, 16 depths, B 64, beta -0.2. Times are medians over
 repeats; the ratios at the end are what to read (the machine is shared and noisy).
 """
@@ -45,15 +45,18 @@ def _make_head(args: argparse.Namespace, dtype: torch.dtype) -> DominoGRUHead:
     return head.eval()
 
 
-def _time_round(config, logits, hidden, roots, head, repeats: int) -> float:
-    for _ in range(2):                                   # warm-up (allocator, kernels)
-        build_tree(config, logits, hidden, roots, head)
-    samples = []
+def _time_rounds(inputs, head, repeats: int) -> dict[str, float]:
+    """Median ms per round of every method; methods interleave within each repeat so that
+    a change in the machine's load hits all of them alike."""
+    for config in METHODS.values():                      # warm-up (allocator, caches)
+        build_tree(config, *inputs, head)
+    samples: dict[str, list[float]] = {name: [] for name in METHODS}
     for _ in range(repeats):
-        start = time.perf_counter()
-        build_tree(config, logits, hidden, roots, head)
-        samples.append(time.perf_counter() - start)
-    return 1000 * statistics.median(samples)
+        for name, config in METHODS.items():
+            start = time.perf_counter()
+            build_tree(config, *inputs, head)
+            samples[name].append(time.perf_counter() - start)
+    return {name: 1000 * statistics.median(ts) for name, ts in samples.items()}
 
 
 @torch.inference_mode()
@@ -66,8 +69,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[int, float]]:
         logits = (3 * torch.randn(batch, args.depths, args.vocab, generator=gen)).to(dtype)
         hidden = torch.randn(batch, args.depths, args.hidden, generator=gen).to(dtype)
         roots = torch.randint(0, args.vocab, (batch,), generator=gen)
-        for name, config in METHODS.items():
-            ms = _time_round(config, logits, hidden, roots, head, args.repeats)
+        for name, ms in _time_rounds((logits, hidden, roots), head, args.repeats).items():
             results[name][batch] = ms
             print(f"  {name:16s} batch {batch}: {ms:8.1f} ms", file=sys.stderr, flush=True)
     return results
@@ -88,7 +90,7 @@ def _table(results: dict[str, dict[int, float]], batches: list[int]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="float32 on CPU: its bf16 GEMM for a few rows is slow there")
     parser.add_argument("--hidden", type=int, default=2560)
