@@ -1,0 +1,165 @@
+"""Load a drafter from a local folder (config.json + one or several safetensors shards).
+
+Detects the format (DFlash, Domino, DSpark), maps the released weight names onto our
+modules, and validates everything against the target before a single tensor is used:
+every missing, unexpected or misshaped tensor raises `CheckpointError` naming the file, the
+key, the expected and the found shape. Corrupt or truncated safetensors files are reported
+as such.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from vllm_dartree.drafter.backbone import DFlashBackbone
+from vllm_dartree.drafter.gru_head import DominoGRUHead
+from vllm_dartree.drafter.markov_head import MarkovHead
+from vllm_dartree.drafter.spec import DrafterSpec, TargetInfo, parse_drafter_config
+
+__all__ = ["CheckpointError", "Drafter", "load_drafter", "read_safetensors"]
+
+# Released-name aliases (research/drafters.md): old prefixes -> ours.
+_ALIASES = (("midlayer.", "layers.0."), ("encoder.fc.", "fc."), ("logit_head.", ""))
+# Tensors some exports carry that we take from the target instead.
+_SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
+
+
+class CheckpointError(ValueError):
+    """A drafter checkpoint that does not match its config or the target."""
+
+
+@dataclass
+class Drafter:
+    spec: DrafterSpec
+    backbone: DFlashBackbone
+    head: DominoGRUHead | MarkovHead | None      # None: uncorrected marginals (DFlash)
+    confidence_head: nn.Linear | None = None     # DSpark's acceptance predictor (unused here)
+
+
+def _modules(spec: DrafterSpec, embed: torch.Tensor, lm_head: torch.Tensor) -> Drafter:
+    backbone = DFlashBackbone(spec, embed, lm_head)
+    head: DominoGRUHead | MarkovHead | None = None
+    if spec.head_kind == "gru":
+        head = DominoGRUHead(spec.hidden_size, spec.gru_hidden_size, spec.emb_dim,
+                             spec.vocab_size, embed, num_uncorrected=spec.num_uncorrected)
+    elif spec.head_kind == "markov":
+        head = MarkovHead(spec.vocab_size, spec.markov_rank)
+    conf = nn.Linear(spec.confidence_in_dim, 1) if spec.confidence_in_dim else None
+    return Drafter(spec, backbone, head, conf)
+
+
+def _expected(drafter: Drafter) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> the parameter it fills."""
+    out = {k: p for k, p in drafter.backbone.named_parameters()}
+    if isinstance(drafter.head, DominoGRUHead):
+        out.update(drafter.head.named_parameters())
+    elif isinstance(drafter.head, MarkovHead):
+        out.update({f"markov_head.{k}": p for k, p in drafter.head.named_parameters()})
+    if drafter.confidence_head is not None:
+        out.update({f"confidence_head.proj.{k}": p
+                    for k, p in drafter.confidence_head.named_parameters()})
+    return out
+
+
+def _canonical(name: str) -> str:
+    if name.startswith("model."):
+        name = name[len("model."):]
+    for old, new in _ALIASES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def _shards(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return sorted({folder / f for f in weight_map.values()})
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{folder}: no *.safetensors file found")
+    return shards
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of one file; a corrupt or truncated file raises CheckpointError."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: shard listed by the index does not exist") from None
+    except (SafetensorError, OSError, RuntimeError) as err:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({err}); it is corrupt "
+                              "or truncated, download it again") from err
+
+
+def _check_target(spec: DrafterSpec, target: TargetInfo, where: str) -> None:
+    checks = [
+        ("hidden_size", spec.hidden_size, target.hidden_size),
+        ("vocab_size", spec.vocab_size, target.vocab_size),
+    ]
+    for key, ours, theirs in checks:
+        if ours != theirs:
+            raise CheckpointError(f"{where}: {key} = {ours} does not match the target's "
+                                  f"{key} = {theirs}")
+    bad = [i for i in spec.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+    if bad:
+        raise CheckpointError(f"{where}: target_layer_ids {list(spec.target_layer_ids)} name "
+                              f"layers {bad} outside the target's {target.num_hidden_layers}")
+    if not 0 <= spec.mask_token_id < target.vocab_size:
+        raise CheckpointError(f"{where}: mask_token_id = {spec.mask_token_id} is outside the "
+                              f"vocabulary [0, {target.vocab_size})")
+    if spec.num_heads % spec.num_kv_heads:
+        raise CheckpointError(f"{where}: num_attention_heads = {spec.num_heads} must be a "
+                              f"multiple of num_key_value_heads = {spec.num_kv_heads}")
+
+
+def load_drafter(folder: str | Path, target: TargetInfo, embed_weight: torch.Tensor,
+                 lm_head_weight: torch.Tensor, dtype: torch.dtype | None = None) -> Drafter:
+    """Build and fill a drafter from `folder`; embed/lm_head weights are the target's."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{folder}: no config.json (is this a drafter folder?)")
+    spec = parse_drafter_config(json.loads(config_path.read_text()), str(config_path))
+    _check_target(spec, target, str(config_path))
+    for name, w, shape in (("embed_tokens", embed_weight, (target.vocab_size, target.hidden_size)),
+                           ("lm_head", lm_head_weight, (target.vocab_size, target.hidden_size))):
+        if tuple(w.shape) != shape:
+            raise CheckpointError(f"target {name}: expected shape {shape}, found {tuple(w.shape)}")
+    drafter = _modules(spec, embed_weight, lm_head_weight)
+    expected = _expected(drafter)
+    filled: set[str] = set()
+    for shard in _shards(folder):
+        for raw, tensor in read_safetensors(shard).items():
+            key = _canonical(raw)
+            if key in _SHARED_WITH_TARGET:
+                continue
+            if key == "mask_embedding":
+                drafter.backbone.mask_embedding = nn.Parameter(tensor.reshape(-1).float())
+                continue
+            if key not in expected:
+                raise CheckpointError(f"{shard}: unexpected tensor {raw!r} for a {spec.format} "
+                                      f"drafter with this config")
+            want = tuple(expected[key].shape)
+            if tuple(tensor.shape) != want:
+                raise CheckpointError(f"{shard}: tensor {raw!r}: expected shape {want}, "
+                                      f"found {tuple(tensor.shape)}")
+            with torch.no_grad():
+                expected[key].copy_(tensor)
+            filled.add(key)
+    missing = sorted(set(expected) - filled)
+    if missing:
+        raise CheckpointError(f"{folder}: missing tensors {missing[:6]}"
+                              f"{' ...' if len(missing) > 6 else ''} for a {spec.format} drafter")
+    dtype = dtype or embed_weight.dtype
+    for module in (drafter.backbone, drafter.head, drafter.confidence_head):
+        if module is not None:
+            module.to(dtype).eval()
+    return drafter
