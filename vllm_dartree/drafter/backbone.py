@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm_dartree.drafter.layers import DraftLayer, RMSNorm, rope_cos_sin
+from vllm_dartree.drafter.layers import DraftLayer, RMSNorm, linear, rope_cos_sin
 from vllm_dartree.drafter.spec import DrafterSpec
 
 __all__ = ["ContextCache", "DFlashBackbone", "DraftOutput"]
@@ -126,7 +126,7 @@ class DFlashBackbone(nn.Module):
         if sum(counts) == 0:
             return
         dtype = self.fc.weight.dtype
-        feats = self.hidden_norm(self.fc(torch.cat(list(target_hidden)).to(dtype)))   # [T, H]
+        feats = self.hidden_norm(linear(torch.cat(list(target_hidden)).to(dtype), self.fc.weight))   # [T, H]
         positions = torch.cat([cache.length(r) + torch.arange(n) for r, n in zip(rids, counts)])
         cos, sin = self._rope(positions.to(feats.device), dtype)
         keys, values = zip(*(layer.self_attn.keys_values(feats, cos, sin)
@@ -158,5 +158,5 @@ class DFlashBackbone(nn.Module):
             v_i = ctx_v[i] if ctx_v.shape[0] else k_i
             x = layer(x, k_i, v_i, valid, cos, sin)
         hidden = self.norm(x)[:, spec.depth_offset:spec.depth_offset + spec.num_depths]
-        logits = hidden @ self.lm_head_weight.to(hidden.dtype).T
+        logits = linear(hidden, self.lm_head_weight.to(hidden.dtype))
         return DraftOutput(hidden=hidden, base_logits=logits)

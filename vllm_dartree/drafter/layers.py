@@ -9,7 +9,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["RMSNorm", "rope_cos_sin", "apply_rope", "DraftLayer"]
+__all__ = ["RMSNorm", "rope_cos_sin", "apply_rope", "DraftLayer", "linear"]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight[out, in]^T, fast for the few rows a draft block or tree depth has.
+
+    NOTE: on CPU (MKL, this project's machines), `x @ W.T` with 2..128 rows runs 1.3-3x
+    slower than `(W @ x.T).T` (median, fp32, 2 threads: 4 x 1024 -> 3072: 2.33 vs 0.85 ms;
+    16 x 2560 -> 9728: 59 vs 18 ms; 16 x 2560 -> 151936: 534 vs 270 ms); one row is faster
+    the usual way. Same products, another summation order. CUDA uses F.linear.
+    """
+    rows = x.reshape(-1, x.shape[-1]).to(weight.dtype)
+    if rows.is_cuda or rows.shape[0] == 1:
+        out = nn.functional.linear(rows, weight)
+    else:
+        out = (weight @ rows.T).T
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class RMSNorm(nn.Module):
@@ -55,8 +71,8 @@ class _Attention(nn.Module):
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [..., T, H] -> K, V [..., KVH, T, D] (K normed and rotated)."""
-        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)))
-        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+        k = self.k_norm(linear(x, self.k_proj.weight).unflatten(-1, (self.kv_heads, self.head_dim)))
+        v = linear(x, self.v_proj.weight).unflatten(-1, (self.kv_heads, self.head_dim))
         k = apply_rope(k.transpose(-3, -2), cos.unsqueeze(-3), sin.unsqueeze(-3))
         return k, v.transpose(-3, -2)
 
@@ -69,7 +85,8 @@ class _MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = nn.functional.silu(linear(x, self.gate_proj.weight))
+        return linear(gate * linear(x, self.up_proj.weight), self.down_proj.weight)
 
 
 class DraftLayer(nn.Module):
@@ -89,7 +106,7 @@ class DraftLayer(nn.Module):
         """x [R, Q, H]; ctx_k/ctx_v [R, KVH, L, D]; ctx_valid [R, L] bool; cos/sin [R, Q, D]."""
         attn = self.self_attn
         h = self.input_layernorm(x)
-        q = attn.q_norm(attn.q_proj(h).unflatten(-1, (attn.heads, attn.head_dim)))
+        q = attn.q_norm(linear(h, attn.q_proj.weight).unflatten(-1, (attn.heads, attn.head_dim)))
         q = apply_rope(q.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1))   # [R, NH, Q, D]
         k_blk, v_blk = attn.keys_values(h, cos, sin)                            # [R, KVH, Q, D]
         k = torch.cat([ctx_k.to(k_blk.dtype), k_blk], dim=2)
@@ -98,5 +115,5 @@ class DraftLayer(nn.Module):
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         visible = torch.cat([ctx_valid, ctx_valid.new_ones(x.shape[0], x.shape[1])], dim=1)
         out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None])
-        x = x + attn.o_proj(out.transpose(1, 2).flatten(2))
+        x = x + linear(out.transpose(1, 2).flatten(2), attn.o_proj.weight)
         return x + self.mlp(self.post_attention_layernorm(x))
