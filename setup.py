@@ -21,6 +21,7 @@ setup(
         "vllm_dartree.tree",
         "vllm_dartree.drafter",
         "vllm_dartree.bench",
+        "vllm_dartree.reference",
         "vllm_dartree.csrc_triton",
     ],
     package_dir={"vllm_dartree.csrc_triton": "csrc_triton"},

@@ -11,6 +11,7 @@ FORBIDDEN = {
              "vllm_dartree.reference", "triton"),
     "drafter": ("vllm.", "vllm_dartree.tree.", "vllm_dartree.engine", "vllm_dartree.reference",
                 "triton"),
+    "reference": ("vllm.", "vllm_dartree.engine", "triton"),
 }
 
 

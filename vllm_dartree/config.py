@@ -39,10 +39,12 @@ class DARTreeConfig(BaseModel):
     max_depth: int | None = Field(None, ge=1)
     """Deepest tree level; None = every depth the drafter predicts (16 for a b16 Domino)."""
 
-    builder: Literal["dartree", "ddtree", "chain", "sequential-heap"] = "dartree"
+    builder: Literal["dartree", "ddtree", "chain", "sequential-heap", "chain-ddtree"] = "dartree"
     """`dartree`: depth-wise batched construction (this paper). `ddtree`: best-first top-B over
     the uncorrected marginals. `chain`: one greedy path. `sequential-heap`: exact best-first
-    search with the correction head run per pop (the paper's Table 2 ablation)."""
+    search with the correction head run per pop, and `chain-ddtree`: DDTree over the
+    distributions the head gives along the greedy chain (both ablations of the paper's
+    Table 2)."""
 
     correction: bool = True
     """Use the drafter's correction head (Domino GRU / DSpark Markov). False = the backbone's

@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 
 from vllm_dartree.drafter.spec import build_target_layer_ids
 
-__all__ = ["SPECIAL_TOKENS", "CHAT_TEMPLATE", "build_tokenizer", "write_tiny_target",
-           "write_tiny_drafter", "DRAFTER_FORMATS"]
+__all__ = ["SPECIAL_TOKENS", "CHAT_TEMPLATE", "DRAFTER_FORMATS", "OracleDraftModel",
+           "build_tokenizer", "write_tiny_target", "write_tiny_drafter"]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = (
@@ -193,3 +193,32 @@ def _save_shards(folder: Path, tensors: dict[str, torch.Tensor], shards: int) ->
         weight_map.update({k: file for k in part})
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+
+
+class OracleDraftModel:
+    """A drafter that knows the target: depth d's base logits put (almost) all mass on the
+    target's own greedy continuation, so its chain is always accepted to full depth."""
+
+    head = None
+
+    def __init__(self, target: torch.nn.Module, depths: int = 8, layer_ids: tuple[int, ...] = (0,)):
+        self.target, self.depths, self.layer_ids = target, depths, layer_ids
+        self.tokens: list[int] = []
+
+    def extend(self, tokens: list[int], features: torch.Tensor) -> None:
+        self.tokens += list(tokens)
+
+    @torch.no_grad()
+    def draft(self, root: int):
+        from transformers import DynamicCache
+
+        from vllm_dartree.drafter import DraftOutput
+        seq, cache, cont = torch.tensor([self.tokens + [root]]), DynamicCache(), []
+        for _ in range(self.depths):
+            logits = self.target(seq, past_key_values=cache, use_cache=True).logits[0, -1]
+            cont.append(int(logits.argmax()))
+            seq = torch.tensor([[cont[-1]]])
+        vocab = self.target.config.vocab_size
+        base = torch.full((1, self.depths, vocab), -20.0)
+        base[0, torch.arange(self.depths), torch.tensor(cont)] = 0.0
+        return DraftOutput(hidden=None, base_logits=base)

@@ -76,3 +76,29 @@ def test_config_errors_surface(inputs):
         build_tree(DARTreeConfig(max_depth=D + 1, topk=8), logits, None, roots, head)
     with pytest.raises(ValueError, match="topk"):
         build_tree(DARTreeConfig(topk=V + 1), logits, None, roots, head)
+
+
+def test_chain_ddtree(inputs):
+    """DDTree over the chain-conditioned distributions: every node's score is the sum of
+    log q along its path, q renormalised over K with the correction of the greedy chain."""
+    logits, roots, head = inputs
+    k, budget = 6, 12
+    tree = build_tree(DARTreeConfig(builder="chain-ddtree", budget=budget, topk=k), logits,
+                      None, roots, head)
+    assert_valid_tree(tree, budget, D)
+    for r in range(R):
+        prev, log_q = int(roots[r]), []
+        for d in range(D):
+            cand = torch.topk(logits[r, d], k).indices
+            if d == 0:
+                lq = torch.log_softmax(logits[r, d], -1)[cand]
+            else:
+                lq = torch.log_softmax(logits[r, d, cand] + head.table[d, prev, cand], -1)
+            log_q.append(dict(zip(cand.tolist(), lq.tolist())))
+            prev = int(cand[lq.argmax()])
+        for path, score in node_paths(tree, r).items():
+            assert score == pytest.approx(sum(log_q[d][t] for d, t in enumerate(path)))
+    # without a head it is plain DDTree over the same K candidates
+    plain = build_tree(DARTreeConfig(builder="chain-ddtree", budget=budget, topk=k,
+                                     correction=False), logits, None, roots, head)
+    _same(plain, build_ddtree(candidate_tables(logits, k), roots, budget))

@@ -41,6 +41,7 @@ __all__ = [
     "build_dartree",
     "build_ddtree",
     "build_chain",
+    "build_chain_ddtree",
 ]
 
 
@@ -224,3 +225,33 @@ def build_chain(
     """One greedy path over all D depths: the argmax candidate at every depth, corrected by
     the head along the chain itself (Domino chain) or not (NoHead: DFlash chain)."""
     return grow(tables, head, prepared, root_tokens, [1] * tables.ids.shape[1])
+
+
+@torch.no_grad()
+def build_chain_ddtree(
+    tables: CandidateTables, head: CorrectionHead, prepared: Any, root_tokens: torch.Tensor,
+    budget: int,
+) -> TreeBatch:
+    """"Domino chain + DDTree" (paper, Table 2): run the correction along the greedy chain
+    only, then build DDTree's best-first tree from those chain-conditioned distributions
+    (each depth's K candidates, renormalised), as if they were path-independent marginals."""
+    num_req, num_depths, k = tables.ids.shape
+    state = head.init(root_tokens)
+    logits, norms = [], []
+    for d in range(num_depths):
+        base = tables.logits[:, d]                                          # [R, K]
+        if d < head.num_uncorrected:
+            row, norm = base, tables.log_norm[:, d]
+        else:
+            row = base + head.score(prepared, d, state)[:, 0]
+            norm = torch.logsumexp(row, dim=-1)
+        logits.append(row)
+        norms.append(norm)
+        if d + 1 < num_depths:
+            best = torch.gather(tables.ids[:, d], 1, row.argmax(dim=-1, keepdim=True))
+            state = head.advance(state, best)
+    corrected = torch.stack(logits, dim=1)                                  # [R, D, K]
+    vals, order = torch.sort(corrected, dim=-1, descending=True)
+    chain_tables = CandidateTables(ids=torch.gather(tables.ids, 2, order), logits=vals,
+                                   log_norm=torch.stack(norms, dim=1))
+    return build_ddtree(chain_tables, root_tokens, budget)

@@ -1,7 +1,7 @@
 """`build_tree`: one entry point that builds the tree a DARTreeConfig asks for.
 
 Engines call this once per round with the backbone's outputs; it picks the builder
-(`dartree` fixed/pruned, `ddtree`, `chain`, `sequential-heap`), the candidate count and
+(`dartree` fixed/pruned, `ddtree`, `chain`, `sequential-heap`, `chain-ddtree`), the candidate count and
 whether the correction head is used, so that every method runs on the same drafter.
 """
 
@@ -10,7 +10,13 @@ from __future__ import annotations
 import torch
 
 from vllm_dartree.config import DARTreeConfig
-from vllm_dartree.tree.build import build_chain, build_dartree, build_ddtree, candidate_tables
+from vllm_dartree.tree.build import (
+    build_chain,
+    build_chain_ddtree,
+    build_dartree,
+    build_ddtree,
+    candidate_tables,
+)
 from vllm_dartree.tree.heads import CorrectionHead, NoHead
 from vllm_dartree.tree.heap import build_sequential_heap
 from vllm_dartree.tree.structure import TreeBatch
@@ -22,7 +28,7 @@ def num_candidates(config: DARTreeConfig, vocab_size: int) -> int:
     """K actually used: DDTree takes min(B, V) (its heap's rule); the others min(K, V, B)."""
     if config.builder == "ddtree":
         return min(config.budget, vocab_size)
-    if config.builder == "chain":
+    if config.builder in ("chain", "chain-ddtree"):
         return min(config.topk, vocab_size)
     return min(config.topk, vocab_size, config.budget)
 
@@ -57,6 +63,8 @@ def build_tree(
     prepared = head.prepare(hidden, tables.ids)
     if config.builder == "chain":
         return build_chain(tables, head, prepared, root_tokens)
+    if config.builder == "chain-ddtree":
+        return build_chain_ddtree(tables, head, prepared, root_tokens, config.budget)
     return build_dartree(tables, head, prepared, root_tokens, variant=config.variant,
                          budget=config.budget, width=config.width,
                          depth_bonus=config.depth_bonus)

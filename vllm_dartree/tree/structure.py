@@ -47,6 +47,11 @@ class TreeBatch:
     def max_nodes(self) -> int:
         return self.tokens.shape[1]
 
+    def narrow(self, num: int) -> TreeBatch:
+        """The first `num` node slots of every request (host-side engines with dynamic shapes)."""
+        return TreeBatch(self.tokens[:, :num], self.parents[:, :num], self.depths[:, :num],
+                         self.scores[:, :num], torch.clamp(self.num_nodes, max=num))
+
     def request(self, r: int) -> TreeBatch:
         """The tree of request r alone, as a batch of one (for tests and printing)."""
         sl = slice(r, r + 1)

@@ -50,6 +50,9 @@ def walk(tree: TreeBatch, target_tokens: torch.Tensor,
     mask: the [R, 1 + N, 1 + N] ancestor mask if the caller has it (else it is built).
     """
     num_req, n = tree.tokens.shape
+    if n == 0:   # no draft slots at all: plain decoding, the bonus is the root's token
+        empty = tree.tokens.new_empty(num_req, 0)
+        return WalkResult(empty, tree.num_nodes.new_zeros(num_req), target_tokens[:, 0])
     if mask is None:
         mask = ops.ancestor_mask(tree.parents)
     at_parent = torch.gather(target_tokens, 1, tree.parents + 1)          # [R, N]
