@@ -179,3 +179,23 @@ def test_summary_statistics(models):
     summary = summarize("dflash", results)
     assert summary.tau == 5.0 and summary.acceptance_by_depth == [1.0, 1.0, 1.0, 1.0]
     assert summary.tree_depths == {4: 4} and summary.requests == 2
+
+
+def test_llama_target_with_every_tree_shape():
+    """The decoder is not Qwen-specific: a Llama target, greedy, trees of several builders."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    target = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        target.model.embed_tokens.weight.mul_(20)
+    prompt, params = [5, 6, 7, 8], SamplingParams(max_new_tokens=20)
+    expected = ReferenceDecoder(target).generate(prompt, params).output_tokens
+    for method in ("dflash", "ddtree", "dartree-pruned", "dartree-fixed"):
+        decoder = ReferenceDecoder(target, OracleDraftModel(target, 5),
+                                   method_config(method, budget=12, width=3, topk=6))
+        got = decoder.generate(prompt, params)
+        assert got.output_tokens == expected, method
+        assert got.rounds[0].accepted == 5
