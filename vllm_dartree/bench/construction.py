@@ -4,9 +4,10 @@
 
 What one "round" includes, for every method: the top-K candidate tables from the base
 logits [R, D, V], the head's per-round projections, and the tree build itself (no backbone,
-no target); the methods take turns within every repeat. The Domino-shaped GRU head has random weights (H 2560, G 1024, E 256,
-V 151936); trees use K 64, W 12, 16 depths, B 64, beta -0.2. Times are medians over
-repeats; the ratios at the end are what to read (the machine is shared and noisy).
+no target); the methods take turns within every repeat. The Domino-shaped GRU head has
+random weights (H 2560, G 1024, E 256, V 151936); trees use K 64, W 12, 16 depths, B 64,
+beta -0.2. Times are medians over repeats; the ratios at the end are what to read (the
+machine is shared and noisy).
 """
 
 from __future__ import annotations

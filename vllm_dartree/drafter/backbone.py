@@ -126,7 +126,8 @@ class DFlashBackbone(nn.Module):
         if sum(counts) == 0:
             return
         dtype = self.fc.weight.dtype
-        feats = self.hidden_norm(linear(torch.cat(list(target_hidden)).to(dtype), self.fc.weight))   # [T, H]
+        concat = torch.cat(list(target_hidden)).to(dtype)                     # [T, n*H]
+        feats = self.hidden_norm(linear(concat, self.fc.weight))              # [T, H]
         positions = torch.cat([cache.length(r) + torch.arange(n) for r, n in zip(rids, counts)])
         cos, sin = self._rope(positions.to(feats.device), dtype)
         keys, values = zip(*(layer.self_attn.keys_values(feats, cos, sin)

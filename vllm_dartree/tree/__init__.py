@@ -48,9 +48,10 @@ from vllm_dartree.tree.verify import (
 
 __all__ = [
     "CandidateTables", "CorrectionHead", "MarkovToyHead", "NoHead", "TreeBatch", "WalkResult",
-    "ancestor_bitmask", "ancestor_mask", "best_first_select", "bitmask_to_mask", "build_chain", "build_chain_ddtree",
-    "build_dartree", "build_ddtree", "build_sequential_heap", "build_tree", "candidate_tables",
-    "ddtree_heap", "fixed_quotas", "format_tree", "greedy_walk", "grow", "mask_to_bitmask", "num_candidates",
-    "pruned_quotas", "sample_target_tokens", "sampled_walk", "select_top_b", "tree_positions",
-    "truncate", "valid_node_mask", "walk",
+    "ancestor_bitmask", "ancestor_mask", "best_first_select", "bitmask_to_mask", "build_chain",
+    "build_chain_ddtree", "build_dartree", "build_ddtree", "build_sequential_heap",
+    "build_tree", "candidate_tables", "ddtree_heap", "fixed_quotas", "format_tree",
+    "greedy_walk", "grow", "mask_to_bitmask", "num_candidates", "pruned_quotas",
+    "sample_target_tokens", "sampled_walk", "select_top_b", "tree_positions", "truncate",
+    "valid_node_mask", "walk",
 ]

@@ -1,8 +1,9 @@
 """`build_tree`: one entry point that builds the tree a DARTreeConfig asks for.
 
 Engines call this once per round with the backbone's outputs; it picks the builder
-(`dartree` fixed/pruned, `ddtree`, `chain`, `sequential-heap`, `chain-ddtree`), the candidate count and
-whether the correction head is used, so that every method runs on the same drafter.
+(`dartree` fixed/pruned, `ddtree`, `chain`, `sequential-heap`, `chain-ddtree`), the candidate
+count and whether the correction head is used, so that every method runs on the same
+drafter.
 """
 
 from __future__ import annotations

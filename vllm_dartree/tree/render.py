@@ -34,7 +34,8 @@ def format_tree(
         for j, c in enumerate(kids):
             last = j == len(kids) - 1
             mark = "*" if c in accepted else " "
-            lines.append(f"{prefix}{'└─' if last else '├─'}{mark}{token_name(int(tree.tokens[r, c]))}"
+            name = token_name(int(tree.tokens[r, c]))
+            lines.append(f"{prefix}{'└─' if last else '├─'}{mark}{name}"
                          f"  (d{int(tree.depths[r, c])}, {float(tree.scores[r, c]):.2f})")
             visit(c, prefix + ("   " if last else "│  "))
 

@@ -23,8 +23,9 @@ def score_and_select_reference(
     parent_scores: [R, P]    path log-probabilities of the prefixes (-inf = no prefix)
     log_norm:      [R] full-vocabulary normaliser of an uncorrected depth, or None to
                    renormalise each prefix's logits over its K candidates
-    Returns scores [R, Q] (float32, or float64 for float64 inputs), parent_pos [R, Q] and rank [R, Q] int64 (the child is
-    candidate `rank` of prefix `parent_pos`), with Q = quota <= P * K.
+    Returns scores [R, Q] (float32, or float64 for float64 inputs), parent_pos [R, Q] and
+    rank [R, Q] int64 (the child is candidate `rank` of prefix `parent_pos`), with
+    Q = quota <= P * K.
     """
     dtype = torch.promote_types(logits.dtype, torch.float32)      # fp32, or fp64 in tests
     logits = logits.to(dtype)
