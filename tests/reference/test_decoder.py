@@ -54,20 +54,36 @@ def test_ar_equals_transformers_generate(models):
 
 @pytest.fixture(scope="module")
 def plain_outputs(models):
-    params = SamplingParams(max_new_tokens=16)
+    params = SamplingParams(max_new_tokens=30)
     return [ReferenceDecoder(models[0]).generate(p, params).output_tokens for p in _prompts()]
 
 
 @pytest.mark.parametrize("method", TREE_METHODS)
 def test_greedy_is_lossless_for_every_method(models, plain_outputs, method):
+    """20 prompts with the tiny random drafter, then the same 20 with an oracle drafter whose
+    paths are accepted deep, with EOS and max_new_tokens cutting inside accepted paths."""
     target, drafter = models
-    params = SamplingParams(max_new_tokens=16)
-    decoder = ReferenceDecoder(target, DrafterSession(drafter), method_config(method, **SMALL))
+    config = method_config(method, **SMALL)
+    decoder = ReferenceDecoder(target, DrafterSession(drafter), config)
     for prompt, expected in zip(_prompts(), plain_outputs):
         decoder.draft_model = DrafterSession(drafter)
-        got = decoder.generate(prompt, params)
-        assert got.output_tokens == expected
+        got = decoder.generate(prompt, SamplingParams(max_new_tokens=16))
+        assert got.output_tokens == expected[:16]
         assert all(r.tree_nodes <= max(24, drafter.spec.num_depths) for r in got.rounds)
+    gen = torch.Generator().manual_seed(5)
+    deep = 0
+    for prompt, expected in zip(_prompts(), plain_outputs):
+        cut = int(torch.randint(3, 30, (1,), generator=gen))
+        eos = expected[int(torch.randint(1, 29, (1,), generator=gen))]
+        stop = expected.index(eos) + 1
+        decoder.draft_model = OracleDraftModel(target, 5)
+        got = decoder.generate(prompt, SamplingParams(max_new_tokens=cut))
+        assert got.output_tokens == expected[:cut]
+        decoder.draft_model = OracleDraftModel(target, 5)
+        got = decoder.generate(prompt, SamplingParams(max_new_tokens=30, eos_token_ids=(eos,)))
+        assert got.output_tokens == expected[:stop]
+        deep += sum(r.accepted == 5 for r in got.rounds)
+    assert deep >= 20      # the oracle's paths were really accepted to full depth
 
 
 @pytest.mark.parametrize("method", ["dflash", "dartree-pruned", "ddtree", "sequential-heap"])
