@@ -22,6 +22,7 @@ setup(
         "vllm_dartree.drafter",
         "vllm_dartree.bench",
         "vllm_dartree.reference",
+        "vllm_dartree.attention",
         "vllm_dartree.csrc_triton",
     ],
     package_dir={"vllm_dartree.csrc_triton": "csrc_triton"},

@@ -12,6 +12,7 @@ FORBIDDEN = {
     "drafter": ("vllm.", "vllm_dartree.tree.", "vllm_dartree.engine", "vllm_dartree.reference",
                 "triton"),
     "reference": ("vllm.", "vllm_dartree.engine", "triton"),
+    "attention": ("vllm.", "transformers", "vllm_dartree.engine", "vllm_dartree.drafter", "triton"),
 }
 
 
