@@ -6,6 +6,7 @@ them on CPU tensors under `TRITON_INTERPRET=1`.
 
 - `tree_mask`: ancestor masks and bitmasks of `[root] + nodes` from parent arrays.
 - `dartree_step`: one DARTree depth: renormalise, add parent scores, global top-quota.
+- `tree_attention`: paged attention for mixed batches with per-request tree masks.
 """
 
-__all__ = ["tree_mask", "dartree_step"]
+__all__ = ["tree_mask", "dartree_step", "tree_attention"]

@@ -27,3 +27,18 @@ def test_cuda_path_routes_to_the_kernels(monkeypatch):
     got = ops.score_and_select(logits, par, None, 5)
     ref = ops.score_and_select_reference(logits, par, None, 5)
     assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])
+
+
+def test_paged_attention_routes_to_the_kernel(monkeypatch):
+    from vllm_dartree.attention import PagedBatch, paged_attention_reference
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(4, 4, 2, 16, generator=gen)
+    v = torch.randn(4, 4, 2, 16, generator=gen)
+    q = torch.randn(3, 4, 16, generator=gen)
+    batch = PagedBatch(torch.tensor([0, 3]), torch.tensor([9]), torch.tensor([[2, 0, 3]]),
+                       torch.tensor([True]),
+                       ops.ancestor_bitmask(torch.tensor([[-1, -1]])))
+    ref = paged_attention_reference(q, k, v, batch, 0.25)
+    assert torch.equal(ops.paged_attention(q, k, v, batch, 0.25, 3), ref)
+    monkeypatch.setattr(ops, "use_triton", lambda t: True)
+    torch.testing.assert_close(ops.paged_attention(q, k, v, batch, 0.25, 3), ref)

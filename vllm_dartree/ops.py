@@ -11,11 +11,13 @@ from functools import lru_cache
 
 import torch
 
+from vllm_dartree.attention.paged import PagedBatch, paged_attention_reference
 from vllm_dartree.tree.select import score_and_select_reference
 from vllm_dartree.tree.structure import ancestor_bitmask as ancestor_bitmask_reference
 from vllm_dartree.tree.structure import ancestor_mask as ancestor_mask_reference
 
-__all__ = ["use_triton", "ancestor_mask", "ancestor_bitmask", "score_and_select"]
+__all__ = ["use_triton", "ancestor_mask", "ancestor_bitmask", "score_and_select",
+           "paged_attention"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,3 +65,14 @@ def score_and_select(
         if fits(logits, quota):
             return score_and_select_triton(logits, parent_scores, log_norm, quota)
     return score_and_select_reference(logits, parent_scores, log_norm, quota)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    batch: PagedBatch, scale: float, max_query_len: int) -> torch.Tensor:
+    """Mixed-batch paged attention with tree masks; see `attention.paged`."""
+    if use_triton(q):
+        from vllm_dartree.csrc_triton.tree_attention import tree_attention
+        return tree_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
+                              batch.block_table, batch.is_tree, batch.tree_mask, scale,
+                              max_query_len)
+    return paged_attention_reference(q, k_cache, v_cache, batch, scale)
