@@ -52,3 +52,16 @@ def test_every_module_declares_all():
         targets += [n.target.id for n in tree.body
                     if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
         assert "__all__" in targets, f"{f} has no __all__"
+
+
+@pytest.mark.parametrize("module", ["vllm_dartree.attention", "vllm_dartree.ops",
+                                    "vllm_dartree.tree", "vllm_dartree.drafter",
+                                    "vllm_dartree.reference", "vllm_dartree.testing",
+                                    "vllm_dartree.config"])
+def test_each_module_imports_first_in_a_fresh_interpreter(module):
+    """No import cycle depends on which subpackage a user imports first."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import logging
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_dartree.attention.paged import PagedBatch, paged_attention_reference
 from vllm_dartree.tree.select import score_and_select_reference
 from vllm_dartree.tree.structure import ancestor_bitmask as ancestor_bitmask_reference
 from vllm_dartree.tree.structure import ancestor_mask as ancestor_mask_reference
+
+if TYPE_CHECKING:
+    from vllm_dartree.attention.paged import PagedBatch
 
 __all__ = ["use_triton", "ancestor_mask", "ancestor_bitmask", "score_and_select",
            "paged_attention"]
@@ -75,4 +78,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return tree_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
                               batch.block_table, batch.is_tree, batch.tree_mask, scale,
                               max_query_len)
+    from vllm_dartree.attention.paged import paged_attention_reference
     return paged_attention_reference(q, k_cache, v_cache, batch, scale)
