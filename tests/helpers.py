@@ -55,3 +55,11 @@ def row_copy_mask(parents: list[int]) -> torch.Tensor:
         vis[i + 1] = vis[p + 1]
         vis[i + 1, i + 1] = True
     return vis
+
+
+def random_parents(num_req: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """[R, N] random topological parent arrays (parents[i] uniform in [-1, i))."""
+    parents = torch.full((num_req, n), -1, dtype=torch.long)
+    for i in range(1, n):
+        parents[:, i] = torch.randint(-1, i, (num_req,), generator=gen)
+    return parents

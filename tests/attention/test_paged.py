@@ -4,6 +4,7 @@ against dense per-request attention; KV compaction."""
 import pytest
 import torch
 
+from tests.helpers import random_parents
 from vllm_dartree.attention import (
     PagedBatch,
     copy_kv_slots,
@@ -14,11 +15,6 @@ from vllm_dartree.attention import (
 from vllm_dartree.tree import ancestor_bitmask
 
 NH, KVH, D = 4, 2, 16
-
-
-def _random_parents(n, gen):
-    return torch.tensor([[-1] + [int(torch.randint(-1, i, (1,), generator=gen)) for i in
-                                 range(1, n)]])
 
 
 class _Cache:
@@ -68,7 +64,7 @@ def _plain(q_row, k, v):
 @pytest.mark.parametrize("n,context", [(1, 5), (12, 0), (40, 37)])
 def test_tree_rows_equal_causal_attention_along_each_branch(block_size, n, context):
     gen = torch.Generator().manual_seed(n * 100 + block_size + context)
-    parents = _random_parents(n, gen)
+    parents = random_parents(1, n, gen)
     q_len = 1 + n
     cache = _Cache([context + q_len], block_size, gen)
     q = torch.randn(q_len, NH, D, generator=gen)
@@ -89,7 +85,7 @@ def test_tree_rows_equal_causal_attention_along_each_branch(block_size, n, conte
 def test_mixed_batch_of_prefill_decode_and_tree_rows():
     gen = torch.Generator().manual_seed(7)
     q_lens, seq_lens = [6, 1, 9, 3], [6, 20, 30, 11]   # prefill, decode, tree, chunked prefill
-    parents = _random_parents(8, gen)
+    parents = random_parents(1, 8, gen)
     cache = _Cache(seq_lens, 4, gen)
     q = torch.randn(sum(q_lens), NH, D, generator=gen)
     out = paged_attention_reference(q, cache.k, cache.v,

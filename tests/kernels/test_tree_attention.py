@@ -4,6 +4,7 @@ mixed batches of prefill, decode and tree rows, ragged contexts, block sizes, GQ
 import pytest
 import torch
 
+from tests.helpers import random_parents
 from vllm_dartree.attention import PagedBatch, paged_attention_reference, slots_of, write_kv
 from vllm_dartree.csrc_triton.tree_attention import tree_attention
 from vllm_dartree.tree import ancestor_bitmask
@@ -36,9 +37,7 @@ def _inputs(q_lens, seq_lens, trees, block_size, heads, kv_heads, head_dim, dtyp
 
 
 def _parents(n, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.tensor([[-1] + [int(torch.randint(-1, i, (1,), generator=gen))
-                                 for i in range(1, n)]])
+    return random_parents(1, n, torch.Generator().manual_seed(seed))
 
 
 def _run(q, k, v, batch, scale):

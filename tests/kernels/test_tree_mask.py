@@ -3,22 +3,17 @@
 import pytest
 import torch
 
-from tests.helpers import row_copy_mask
+from tests.helpers import random_parents, row_copy_mask
 from vllm_dartree.csrc_triton.tree_mask import tree_ancestor_bitmask, tree_ancestor_mask
 from vllm_dartree.tree import ancestor_bitmask, ancestor_mask
 
 
 def _parents(num_req, n, seed, shape):
-    gen = torch.Generator().manual_seed(seed)
-    parents = torch.full((num_req, n), -1, dtype=torch.long)
-    for i in range(1, n):
-        if shape == "chain":
-            parents[:, i] = i - 1
-        elif shape == "star":
-            parents[:, i] = -1
-        else:
-            parents[:, i] = torch.randint(-1, i, (num_req,), generator=gen)
-    return parents
+    if shape == "chain":
+        return torch.arange(-1, n - 1).expand(num_req, -1).clone()
+    if shape == "star":
+        return torch.full((num_req, n), -1, dtype=torch.long)
+    return random_parents(num_req, n, torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("num_req", [1, 4])

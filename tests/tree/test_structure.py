@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import row_copy_mask
+from tests.helpers import random_parents, row_copy_mask
 from vllm_dartree.tree import (
     TreeBatch,
     ancestor_bitmask,
@@ -51,17 +51,10 @@ def test_golden_positions():
     assert pos.tolist() == [[100, 101, 101, 102, 102, 103]]
 
 
-def _random_parents(num_req: int, n: int, gen: torch.Generator) -> torch.Tensor:
-    parents = torch.empty(num_req, n, dtype=torch.long)
-    for i in range(n):
-        parents[:, i] = torch.randint(-1, i, (num_req,), generator=gen) if i else -1
-    return parents
-
-
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 140), st.integers(0, 2**31))
 def test_mask_rows_are_ancestors_plus_self(num_req, n, seed):
-    parents = _random_parents(num_req, n, torch.Generator().manual_seed(seed))
+    parents = random_parents(num_req, n, torch.Generator().manual_seed(seed))
     mask = ancestor_mask(parents)
     for r in range(num_req):
         assert torch.equal(mask[r], row_copy_mask(parents[r].tolist()))
