@@ -119,3 +119,20 @@ def test_mask_embedding_replaces_the_mask_rows(tiny_target, drafter_folders):
     drafter.backbone.mask_embedding = torch.nn.Parameter(torch.zeros(drafter.spec.hidden_size))
     b = drafter.backbone(cache, ["x"], torch.tensor([9])).hidden
     assert not torch.allclose(a, b) and not math.isnan(float(b.sum()))
+
+
+@pytest.mark.parametrize("fmt", ["dflash", "domino"])
+def test_anchored_training_blocks_equal_inference(fmt, tiny_target, drafter_folders):
+    """The teacher-forced training path gives, for every anchor, the hidden states that
+    inference computes with a context of exactly the tokens before the anchor."""
+    drafter = tiny_target.load(drafter_folders[fmt])
+    tokens = _tokens(24, 9)
+    feats = tiny_target.features(tokens, drafter.spec.target_layer_ids)
+    anchors = torch.tensor([0, 3, 11, 23])
+    trained = drafter.backbone.anchored_forward(feats, tokens, anchors)
+    assert trained.requires_grad                       # gradients flow to the drafter
+    for i, a in enumerate(anchors.tolist()):
+        cache = ContextCache()
+        drafter.backbone.extend_context(cache, ["r"], [feats[:a]])
+        ref = drafter.backbone(cache, ["r"], tokens[a:a + 1]).hidden[0]
+        torch.testing.assert_close(trained[i].detach(), ref, rtol=1e-5, atol=1e-5)

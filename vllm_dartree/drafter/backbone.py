@@ -161,3 +161,33 @@ class DFlashBackbone(nn.Module):
         hidden = self.norm(x)[:, spec.depth_offset:spec.depth_offset + spec.num_depths]
         logits = linear(hidden, self.lm_head_weight.to(hidden.dtype))
         return DraftOutput(hidden=hidden, base_logits=logits)
+
+    def anchored_forward(self, target_hidden: torch.Tensor, tokens: torch.Tensor,
+                         anchors: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced blocks for training (DFlash / SpecForge recipe), with gradients.
+
+        One sequence: target_hidden [T, n*H] (the target's features of every token), tokens
+        [T], anchors [A] positions. Block a is [tokens[anchor_a], MASK, ...] at positions
+        anchor_a + arange(Q); it sees the context features of positions < anchor_a and its
+        own block, exactly as `forward` does at inference with a context of anchor_a tokens.
+        Returns the per-depth hidden states [A, D, H] (after the final norm).
+        """
+        spec = self.spec
+        dtype = self.fc.weight.dtype
+        ctx = self.hidden_norm(linear(target_hidden.to(dtype), self.fc.weight))   # [T, H]
+        num_ctx, q = ctx.shape[0], spec.query_len
+        cos_c, sin_c = self._rope(torch.arange(num_ctx, device=ctx.device), dtype)
+        block = torch.full((anchors.shape[0], q), spec.mask_token_id, dtype=torch.long,
+                           device=tokens.device)
+        block[:, 0] = tokens[anchors]
+        x = self.embed_weight[block].to(dtype)                                    # [A, Q, H]
+        if self.mask_embedding is not None:
+            x = torch.cat([x[:, :1], self.mask_embedding.to(dtype).expand(x.shape[0], q - 1, -1)],
+                          dim=1)
+        cos, sin = self._rope(anchors[:, None] + torch.arange(q, device=x.device), dtype)
+        valid = torch.arange(num_ctx, device=x.device)[None, :] < anchors[:, None]  # [A, T]
+        for layer in self.layers:
+            k, v = layer.self_attn.keys_values(ctx, cos_c, sin_c)                 # [KVH, T, D]
+            expand = (anchors.shape[0], *k.shape)
+            x = layer(x, k.expand(expand), v.expand(expand), valid, cos, sin)
+        return self.norm(x)[:, spec.depth_offset:spec.depth_offset + spec.num_depths]
