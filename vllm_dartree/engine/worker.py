@@ -1,0 +1,39 @@
+"""The workers the plugin selects (`parallel_config.worker_cls`): they install the dartree
+runner and, on CPU, the dartree attention backend, in the worker process itself (the class
+name travels in the pickled config, so this works with the engine in its own process)."""
+
+from __future__ import annotations
+
+from vllm.v1.worker import cpu_worker
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from vllm_dartree.engine.runner import DARTreeRunnerMixin
+
+__all__ = ["DARTreeCPUModelRunner", "DARTreeCPUWorker", "install_cpu_attention"]
+
+CPU_BACKEND = "vllm_dartree.engine.cpu_attention.DARTreeCPUAttentionBackend"
+
+
+class DARTreeCPUModelRunner(DARTreeRunnerMixin, CPUModelRunner):
+    pass
+
+
+def install_cpu_attention() -> None:
+    """Put the dartree backend in vLLM's CPU_ATTN slot (the CPU platform uses no other)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.attention.selector import _cached_get_attn_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
+    _cached_get_attn_backend.cache_clear()
+
+
+class DARTreeCPUWorker(CPUWorker):
+    def init_device(self):
+        install_cpu_attention()
+        stock = cpu_worker.CPUModelRunner
+        cpu_worker.CPUModelRunner = DARTreeCPUModelRunner
+        try:
+            return super().init_device()
+        finally:
+            cpu_worker.CPUModelRunner = stock
