@@ -1,0 +1,43 @@
+"""Run one vLLM engine in its own process and write what it produced as JSON.
+
+    python llm_job.py job.json out.json
+
+job.json: {"engine": {LLM kwargs}, "batches": [{"prompts": [[ids...], ...],
+"params": [{SamplingParams kwargs}, ...]}, ...]}. The output lists, per batch and request,
+the token ids, the finish reason and vLLM's per-request spec-decode metrics, plus the
+engine's spec-decode counters. One engine per process keeps tests independent of vLLM's
+teardown.
+"""
+
+import json
+import sys
+
+
+def main() -> None:
+    job = json.loads(open(sys.argv[1]).read())
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**job["engine"])
+    result = {"batches": []}
+    for batch in job["batches"]:
+        prompts = [{"prompt_token_ids": p} for p in batch["prompts"]]
+        params = [SamplingParams(**p) for p in batch["params"]]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        result["batches"].append([{
+            "tokens": list(o.outputs[0].token_ids),
+            "finish_reason": o.outputs[0].finish_reason,
+            "spec": (o.outputs[0].spec_decode_metrics.to_dict()
+                     if o.outputs[0].spec_decode_metrics is not None else None),
+        } for o in outs])
+    counters = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith(("vllm:spec_decode", "vllm:num_preemptions")) and hasattr(metric, "value"):
+            counters[metric.name] = metric.value
+        elif metric.name.startswith("vllm:spec_decode") and hasattr(metric, "values"):
+            counters[metric.name] = list(metric.values)
+    result["counters"] = counters
+    open(sys.argv[2], "w").write(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

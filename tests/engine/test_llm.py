@@ -1,0 +1,163 @@
+"""DARTree inside vLLM (`LLM.generate`): token-identical to the same engine without
+speculation, for every builder, with chunked prefill, preemption, EOS / max_tokens inside
+accepted paths; tau = depth + 1 with an oracle drafter; parity with the reference decoder;
+seeded sampling reproducible and distributed as the target's."""
+
+import json
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+from tests.engine.conftest import TREE, dartree_spec, engine_kwargs, mixed_prompts, run_job
+from vllm_dartree.config import DARTreeConfig
+
+# Chunked prefill (160 tokens per step < the 300-token prompt) and a KV cache too small for
+# 8 running requests (preemption), the same for the plain engine and the speculative ones.
+BATCHED = dict(max_num_seqs=8, max_num_batched_tokens=160, block_size=32,
+               num_gpu_blocks_override=24)
+ORACLE_DEPTH = 8
+SAMPLED = dict(temperature=0.8, top_p=0.95, max_tokens=3, ignore_eos=True)
+NUM_SAMPLES = 400
+
+
+def _greedy(prompts):
+    return [dict(max_tokens=8 + (i * 7) % 41, temperature=0.0) for i in range(len(prompts))]
+
+
+def _sampled_batch():
+    prompt = [11, 402, 87, 233, 5, 640]
+    return {"prompts": [prompt] * NUM_SAMPLES,
+            "params": [dict(SAMPLED, seed=1000 + i) for i in range(NUM_SAMPLES)]}
+
+
+def _tokens(batch):
+    return [r["tokens"] for r in batch]
+
+
+def _assert_same(got, want, what):
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g == w, f"{what}: request {i} differs at token " \
+            f"{next(k for k in range(min(len(g), len(w)) + 1) if g[k:k + 1] != w[k:k + 1])}"
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return mixed_prompts()
+
+
+@pytest.fixture(scope="module")
+def oracle_prompts(prompts):
+    return prompts[:12]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny, prompts, oracle_prompts, tmp_path_factory):
+    """The engine without speculation: greedy outputs, oracle continuations, samples."""
+    main = {"prompts": prompts, "params": _greedy(prompts)}
+    long = {"prompts": oracle_prompts,
+            "params": [dict(p, max_tokens=p["max_tokens"] + ORACLE_DEPTH + 1, ignore_eos=True)
+                       for p in _greedy(oracle_prompts)]}
+    return run_job(tmp_path_factory.mktemp("plain"), engine_kwargs(tiny["target"], **BATCHED),
+                   [main, long, _sampled_batch()])
+
+
+@pytest.fixture(scope="module")
+def dartree8(tiny, prompts, tmp_path_factory):
+    engine = engine_kwargs(tiny["target"], **BATCHED,
+                           speculative_config=dartree_spec(tiny["drafter"]))
+    sampled = _sampled_batch()
+    return run_job(tmp_path_factory.mktemp("dartree8"), engine,
+                   [{"prompts": prompts, "params": _greedy(prompts)}, sampled, sampled])
+
+
+def test_dartree_greedy_equals_plain_batched(plain, dartree8):
+    _assert_same(_tokens(dartree8["batches"][0]), _tokens(plain["batches"][0]), "dartree, 8 seqs")
+    counters = dartree8["counters"]
+    assert counters["vllm:spec_decode_num_drafts"] > 0
+    assert counters.get("vllm:num_preemptions", 0) > 0, "the KV budget did not force preemption"
+
+
+def test_dartree_greedy_equals_plain_one_seq_and_matches_reference(tiny, plain, prompts,
+                                                                   tmp_path):
+    """max_num_seqs 1, and the reference decoder's outputs and per-round accepted lengths."""
+    subset = prompts[:10]
+    engine = engine_kwargs(tiny["target"], max_num_seqs=1,
+                           speculative_config=dartree_spec(tiny["drafter"]),
+                           per_request_spec_decode_metrics="detailed")
+    got = run_job(tmp_path, engine, [{"prompts": subset, "params": _greedy(subset)}])
+    batch = got["batches"][0]
+    _assert_same(_tokens(batch), _tokens(plain["batches"][0])[:10], "dartree, 1 seq")
+
+    from transformers import AutoModelForCausalLM
+
+    from vllm_dartree.drafter import TargetInfo, load_drafter
+    from vllm_dartree.reference import DrafterSession, ReferenceDecoder, SamplingParams
+    target = AutoModelForCausalLM.from_pretrained(tiny["target"], dtype=torch.float32).eval()
+    cfg = target.config
+    drafter = load_drafter(tiny["drafter"], TargetInfo(cfg.hidden_size, cfg.vocab_size,
+                                                       cfg.num_hidden_layers),
+                           target.model.embed_tokens.weight, target.lm_head.weight,
+                           dtype=torch.float32)
+    decoder = ReferenceDecoder(target, DrafterSession(drafter), DARTreeConfig(**TREE))
+    eos = (cfg.eos_token_id,)
+    for prompt, params, res in zip(subset, _greedy(subset), batch):
+        ref = decoder.__class__(target, DrafterSession(drafter), decoder.config).generate(
+            prompt, SamplingParams(max_new_tokens=params["max_tokens"], eos_token_ids=eos))
+        assert res["tokens"] == ref.output_tokens
+        assert res["spec"]["per_step_accepted"] == [r.accepted for r in ref.rounds]
+
+
+@pytest.mark.parametrize("builder", ["ddtree", "chain"])
+def test_baseline_builders_equal_plain(tiny, plain, prompts, builder, tmp_path):
+    engine = engine_kwargs(tiny["target"], **BATCHED,
+                           speculative_config=dartree_spec(tiny["drafter"], builder=builder))
+    got = run_job(tmp_path, engine, [{"prompts": prompts, "params": _greedy(prompts)}])
+    _assert_same(_tokens(got["batches"][0]), _tokens(plain["batches"][0]), builder)
+
+
+def test_oracle_drafter_reaches_full_depth(tiny, plain, oracle_prompts, tmp_path):
+    """A drafter whose tree holds the target's greedy continuation: every round accepts
+    ORACLE_DEPTH nodes in vLLM's own counters (positions, masks and compaction are right),
+    and stop tokens / max_tokens that fall inside accepted paths end requests exactly."""
+    table = [[p, out["tokens"]] for p, out in zip(oracle_prompts, plain["batches"][1])]
+    oracle = tmp_path / "oracle.json"
+    oracle.write_text(json.dumps({"depth": ORACLE_DEPTH, "layer_ids": [1, 3],
+                                  "continuations": table}))
+    params = _greedy(oracle_prompts)
+    for i in range(0, len(params), 3):   # a stop token that appears inside the output
+        params[i]["stop_token_ids"] = [table[i][1][min(5, params[i]["max_tokens"] - 2)]]
+    spec = dartree_spec(oracle, drafter_class="vllm_dartree.engine.drafters.OracleTreeDrafter",
+                        budget=2 * ORACLE_DEPTH)
+    got = run_job(tmp_path, engine_kwargs(tiny["target"], max_num_seqs=4,
+                                          speculative_config=spec),
+                  [{"prompts": oracle_prompts, "params": params}])
+    want = []
+    for (prompt, full), p in zip(table, params):
+        out = full[:p["max_tokens"]]
+        stop = p.get("stop_token_ids", [None])[0]
+        want.append(out[:out.index(stop) + 1] if stop in out else out)
+    _assert_same(_tokens(got["batches"][0]), want, "oracle")
+    c = got["counters"]
+    tau = 1 + c["vllm:spec_decode_num_accepted_tokens"] / c["vllm:spec_decode_num_drafts"]
+    assert tau == ORACLE_DEPTH + 1
+    per_pos = c["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert per_pos[:ORACLE_DEPTH] == [c["vllm:spec_decode_num_drafts"]] * ORACLE_DEPTH
+
+
+def test_seeded_sampling_is_reproducible(dartree8):
+    assert _tokens(dartree8["batches"][1]) == _tokens(dartree8["batches"][2])
+
+
+@pytest.mark.parametrize("position", [1, 2])
+def test_sampled_tokens_follow_the_target(plain, dartree8, position):
+    """Tokens drawn by tree walks are distributed as plain sampling's (two-sample chi2)."""
+    ours = [t[position] for t in _tokens(dartree8["batches"][1])]
+    theirs = [t[position] for t in _tokens(plain["batches"][2])]
+    common = sorted({*ours, *theirs}, key=lambda t: -(ours.count(t) + theirs.count(t)))
+    keep = [t for t in common if ours.count(t) + theirs.count(t) >= 10]
+    table = [[seq.count(t) for t in keep] + [sum(x not in keep for x in seq)]
+             for seq in (ours, theirs)]
+    table = [row for row in zip(*table) if sum(row)]
+    assert len(table) >= 3, "too few distinct tokens for a distribution test"
+    assert chi2_contingency(list(zip(*table))).pvalue > 1e-3
