@@ -26,6 +26,7 @@ def main() -> None:
         result["batches"].append([{
             "tokens": list(o.outputs[0].token_ids),
             "finish_reason": o.outputs[0].finish_reason,
+            "logprobs": len(o.outputs[0].logprobs) if o.outputs[0].logprobs else None,
             "spec": (o.outputs[0].spec_decode_metrics.to_dict()
                      if o.outputs[0].spec_decode_metrics is not None else None),
         } for o in outs])

@@ -31,6 +31,17 @@ def _sampled_batch():
             "params": [dict(SAMPLED, seed=1000 + i) for i in range(NUM_SAMPLES)]}
 
 
+def _features_batch(prompts):
+    """Requests that need vLLM's full sampler, in a batch with plain greedy ones."""
+    params = [dict(max_tokens=12, temperature=0.0, logprobs=2),
+              dict(max_tokens=12, temperature=0.0, repetition_penalty=1.3),
+              dict(max_tokens=12, temperature=0.0, presence_penalty=0.7),
+              dict(max_tokens=12, temperature=0.0, frequency_penalty=0.5),
+              dict(max_tokens=12, temperature=0.0),
+              dict(max_tokens=30, temperature=0.0)]
+    return {"prompts": prompts[:len(params)], "params": params}
+
+
 def _tokens(batch):
     return [r["tokens"] for r in batch]
 
@@ -59,7 +70,7 @@ def plain(tiny, prompts, oracle_prompts, tmp_path_factory):
             "params": [dict(p, max_tokens=p["max_tokens"] + ORACLE_DEPTH + 1, ignore_eos=True)
                        for p in _greedy(oracle_prompts)]}
     return run_job(tmp_path_factory.mktemp("plain"), engine_kwargs(tiny["target"], **BATCHED),
-                   [main, long, _sampled_batch()])
+                   [main, long, _sampled_batch(), _features_batch(prompts)])
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +79,8 @@ def dartree8(tiny, prompts, tmp_path_factory):
                            speculative_config=dartree_spec(tiny["drafter"]))
     sampled = _sampled_batch()
     return run_job(tmp_path_factory.mktemp("dartree8"), engine,
-                   [{"prompts": prompts, "params": _greedy(prompts)}, sampled, sampled])
+                   [{"prompts": prompts, "params": _greedy(prompts)}, sampled, sampled,
+                    _features_batch(prompts)])
 
 
 def test_dartree_greedy_equals_plain_batched(plain, dartree8):
@@ -143,6 +155,14 @@ def test_oracle_drafter_reaches_full_depth(tiny, plain, oracle_prompts, tmp_path
     assert tau == ORACLE_DEPTH + 1
     per_pos = c["vllm:spec_decode_num_accepted_tokens_per_pos"]
     assert per_pos[:ORACLE_DEPTH] == [c["vllm:spec_decode_num_drafts"]] * ORACLE_DEPTH
+
+
+def test_logprobs_and_penalties_equal_plain(plain, dartree8):
+    """Requests with logprobs or penalties share a batch with tree requests: vLLM's sampler
+    serves the whole batch from the root rows, so every output stays the target's."""
+    got, want = dartree8["batches"][3], plain["batches"][3]
+    _assert_same(_tokens(got), _tokens(want), "logprobs / penalties")
+    assert got[0]["logprobs"] == want[0]["logprobs"] == 12
 
 
 def test_seeded_sampling_is_reproducible(dartree8):
