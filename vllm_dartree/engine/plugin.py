@@ -32,7 +32,7 @@ from vllm_dartree.engine.settings import KEY, EngineSettings
 
 __all__ = ["register", "translate", "PROPOSER", "CPU_WORKER", "DartreeConfigError"]
 
-logger = logging.getLogger("vllm_dartree")
+logger = logging.getLogger("vllm.dartree")
 
 PROPOSER = "vllm_dartree.engine.proposer.DARTreeProposer"
 CPU_WORKER = "vllm_dartree.engine.worker.DARTreeCPUWorker"

@@ -39,7 +39,7 @@ from vllm_dartree.tree.verify import sample_target_tokens, walk
 
 __all__ = ["DARTreeRunnerMixin", "needs_full_sampler"]
 
-logger = logging.getLogger("vllm_dartree")
+logger = logging.getLogger("vllm.dartree")
 
 
 def needs_full_sampler(sp) -> bool:

@@ -1,0 +1,158 @@
+"""Engine pieces without an engine: config translation and start-up refusals, the CPU
+tree-attention backend against the paged reference, KV writes and compaction, tree metrics."""
+
+import pytest
+import torch
+
+from tests.engine.conftest import dartree_spec
+from vllm_dartree.attention import PagedBatch, paged_attention_reference
+from vllm_dartree.engine.cpu_attention import (
+    DARTreeCPUAttentionImpl,
+    DARTreeCPUMetadata,
+    copy_slots,
+    kv_views,
+)
+from vllm_dartree.engine.metrics import DARTreeStatLogger, TreeStats
+from vllm_dartree.engine.plugin import PROPOSER, DartreeConfigError, translate
+from vllm_dartree.tree.structure import ancestor_mask, mask_to_bitmask
+
+
+# -- config translation ------------------------------------------------------------------
+def test_translate_builds_the_carrier(tiny):
+    carrier, settings = translate(dartree_spec(tiny["drafter"], variant="fixed"))
+    assert carrier == {"method": "custom_class", "model": PROPOSER,
+                       "num_speculative_tokens": 16}
+    assert settings.config.variant == "fixed" and settings.config.width == 4
+    assert settings.drafter == str(tiny["drafter"].resolve())
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"budget": 0}, "budget"),
+    ({"depth_bonus": 0.3}, "depth_bonus"),
+    ({"variant": "wide"}, "variant"),
+    ({"widht": 3}, "unknown dartree speculative_config key(s) ['widht']"),
+    ({"num_speculative_tokens": 7}, "num_speculative_tokens = 7 must equal"),
+    ({"model": "/nowhere/drafter"}, "does not exist"),
+    ({"model": None}, "must name the drafter"),
+])
+def test_translate_refuses_bad_configs(tiny, change, message):
+    with pytest.raises(DartreeConfigError, match=None) as err:
+        translate({**dartree_spec(tiny["drafter"]), **change})
+    assert message in str(err.value)
+
+
+def test_engine_args_translation(tiny):
+    """EngineArgs (as LLM(...) and `vllm serve` build them) -> a VllmConfig in carrier form."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(tiny["target"]), dtype="float32", max_model_len=256,
+                      enable_prefix_caching=True,
+                      speculative_config=dartree_spec(tiny["drafter"]))
+    config = args.create_engine_config()
+    assert config.speculative_config.method == "custom_class"
+    assert config.speculative_config.num_speculative_tokens == 16
+    assert config.parallel_config.worker_cls.endswith("DARTreeCPUWorker")
+    assert config.cache_config.enable_prefix_caching is False
+    assert config.additional_config["dartree"]["config"]["width"] == 4
+
+
+def test_engine_args_refuse_a_misfit_drafter(tiny, tmp_path):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_dartree.testing import write_tiny_drafter, write_tiny_target
+    other = write_tiny_target(tmp_path / "other", hidden=96, head_dim=32)
+    drafter = write_tiny_drafter(tmp_path / "drafter", "domino", other)
+    args = EngineArgs(model=str(tiny["target"]), dtype="float32", max_model_len=256,
+                      speculative_config=dartree_spec(drafter))
+    with pytest.raises(DartreeConfigError, match="hidden_size = 96 does not match"):
+        args.create_engine_config()
+
+
+# -- CPU attention -------------------------------------------------------------------------
+def _random_tree(n, gen):
+    parents = [-1]
+    for i in range(1, n):
+        parents.append(int(torch.randint(-1, i, (1,), generator=gen)))
+    return torch.tensor(parents)
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_tree_attention_equals_paged_reference(group):
+    """Mixed batch (decode row, prefill chunk, tree) over a paged cache, GQA or not."""
+    gen = torch.Generator().manual_seed(0)
+    kvh, d, bs, nb = 2, 32, 32, 12
+    nh = kvh * group
+    kv = torch.randn(nb, kvh, bs, 2 * d, generator=gen)
+    q_lens, seq_lens = [1, 20, 9], [40, 70, 50]
+    parents = _random_tree(8, gen)
+    mask = ancestor_mask(parents[None])[0]                                 # [9, 9]
+    qmax = max(q_lens)
+    bits = torch.zeros(3, qmax, 1, dtype=torch.int32)
+    bits[2, :9] = mask_to_bitmask(mask[None])[0]
+    table = torch.randperm(nb, generator=gen)[:9].reshape(3, 3).int()
+    qsl = torch.tensor([0, 1, 21, 30], dtype=torch.int32)
+    q = torch.randn(30, nh, d, generator=gen)
+    md = DARTreeCPUMetadata(num_actual_tokens=30, max_query_len=qmax, query_start_loc=qsl,
+                            max_seq_len=70, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                            block_table=table, slot_mapping=torch.zeros(30, dtype=torch.long),
+                            is_tree=[False, False, True], tree_mask=bits)
+    impl = DARTreeCPUAttentionImpl(nh, d, 0.3, kvh, None, None, "auto")
+    out = torch.zeros(30, nh * d)
+    impl.forward(None, q.reshape(30, -1), None, None, kv, md, out)
+    k_cache, v_cache = kv_views(kv, d)
+    batch = PagedBatch(qsl.long(), torch.tensor(seq_lens), table.long(),
+                       torch.tensor([False, False, True]), bits)
+    want = paged_attention_reference(q, k_cache.contiguous(), v_cache.contiguous(), batch, 0.3)
+    torch.testing.assert_close(out.reshape(30, nh, d), want, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_write_and_compaction():
+    kvh, d, bs, nb = 2, 32, 32, 4
+    kv = torch.zeros(nb, kvh, bs, 2 * d)
+    impl = DARTreeCPUAttentionImpl(4, d, 1.0, kvh, None, None, "auto")
+    key, value = torch.randn(5, kvh * d), torch.randn(5, kvh * d)
+    slots = torch.tensor([3, 40, 41, -1, 127])
+    impl.do_kv_cache_update(None, key, value, kv, slots)
+    k_cache, v_cache = kv_views(kv, d)
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(k_cache[slot // bs, slot % bs], key[row].view(kvh, d))
+            assert torch.equal(v_cache[slot // bs, slot % bs], value[row].view(kvh, d))
+    before = kv.clone()
+    copy_slots(kv, torch.tensor([41, 127]), torch.tensor([40, 41]))   # overlapping move
+    assert torch.equal(kv[1, :, 8], before[1, :, 9])
+    assert torch.equal(kv[1, :, 9], before[3, :, 31])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(sliding_window=128), "sliding-window"),
+    (dict(alibi_slopes=[1.0]), "ALiBi"),
+    (dict(logits_soft_cap=30.0), "softcapping"),
+    (dict(kv_cache_dtype="fp8"), "fp8"),
+])
+def test_attention_refuses_what_it_cannot_do(kwargs, message):
+    base = dict(num_heads=4, head_size=32, scale=1.0, num_kv_heads=2, alibi_slopes=None,
+                sliding_window=None, kv_cache_dtype="auto")
+    with pytest.raises(NotImplementedError, match=message):
+        DARTreeCPUAttentionImpl(**{**base, **kwargs})
+
+
+# -- metrics -------------------------------------------------------------------------------
+def test_tree_stats_histogram_from_vllm_counters():
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    spec = SpecDecodingStats.new(16)
+    rounds = [(16, 3), (12, 0), (16, 5), (9, 3)]
+    for nodes, accepted in rounds:
+        spec.observe_draft(nodes, accepted)
+    stats = TreeStats()
+    stats.add(spec)
+    assert stats.rounds == 4 and stats.nodes == 53
+    assert stats.depths == [1, 0, 0, 2, 0, 1]
+    assert "13.2 nodes/round" in stats.line() and "tau 3.75" in stats.line()
+
+
+def test_stat_logger_is_inactive_without_dartree():
+    class Cfg:
+        additional_config = {}
+    assert not DARTreeStatLogger(Cfg()).active
