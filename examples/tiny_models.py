@@ -22,7 +22,7 @@ def main() -> None:
     if len(sys.argv) != 2:
         raise SystemExit(__doc__)
     out = Path(sys.argv[1])
-    target = write_tiny_target(out / "target")
+    target = write_tiny_target(out / "target", head_dim=32)   # vLLM's CPU attention: >= 32
     for fmt in DRAFTER_FORMATS:
         write_tiny_drafter(out / fmt, fmt, target)
     (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))

@@ -26,6 +26,9 @@ vLLM's runner speculates with chains. One dartree step, in the runner's own orde
 from __future__ import annotations
 
 import logging
+import time
+from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,6 +88,23 @@ class DARTreeRunnerMixin:
         self._dt_step: _Step | None = None
         self._dt_broken: set[str] = set()
         self.use_aux_hidden_state_outputs = True
+        self.dartree_seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def _dt_timed(self, stage: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.dartree_seconds[stage] += time.perf_counter() - start
+
+    def execute_model(self, *args, **kwargs):
+        with self._dt_timed("target"):
+            return super().execute_model(*args, **kwargs)
+
+    def sample_tokens(self, *args, **kwargs):
+        with self._dt_timed("sample"):
+            return super().sample_tokens(*args, **kwargs)
 
     # -- setup ---------------------------------------------------------------------------
     @property
@@ -179,6 +199,10 @@ class DARTreeRunnerMixin:
                    for rid in step.req_ids)
 
     def _sample(self, logits, spec_decode_metadata):
+        with self._dt_timed("walk"):
+            return self._dt_sample(logits, spec_decode_metadata)
+
+    def _dt_sample(self, logits, spec_decode_metadata):
         step = self._dt_step
         if spec_decode_metadata is None or step is None:
             return super()._sample(logits, spec_decode_metadata)
@@ -261,7 +285,8 @@ class DARTreeRunnerMixin:
         slot_mapping = self.input_batch.block_table.block_tables[0].slot_mapping.gpu
         src_slots = slot_mapping[torch.tensor(src)].long()
         dst_slots = slot_mapping[torch.tensor(dst)].long()
-        self._dt_copy_slots(src_slots, dst_slots)
+        with self._dt_timed("compaction"):
+            self._dt_copy_slots(src_slots, dst_slots)
 
     def _dt_copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         from vllm_dartree.engine.cpu_attention import copy_slots
@@ -273,9 +298,13 @@ class DARTreeRunnerMixin:
             copy_slots(kv, src_slots.to(kv.device), dst_slots.to(kv.device))
 
     # -- 6. drafting ---------------------------------------------------------------------
-    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
-                                hidden_states, sample_hidden_states, aux_hidden_states,
-                                spec_decode_metadata, common_attn_metadata, slot_mappings):
+    def propose_draft_token_ids(self, *args, **kwargs):
+        with self._dt_timed("draft"):
+            return self._dt_propose(*args, **kwargs)
+
+    def _dt_propose(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                    hidden_states, sample_hidden_states, aux_hidden_states,
+                    spec_decode_metadata, common_attn_metadata, slot_mappings):
         step, self._dt_step = self._dt_step, None
         num_reqs = self.input_batch.num_reqs
         out: list[list[int]] = [[] for _ in range(num_reqs)]

@@ -37,3 +37,10 @@ class DARTreeCPUWorker(CPUWorker):
             return super().init_device()
         finally:
             cpu_worker.CPUModelRunner = stock
+
+    def dartree_seconds(self, reset: bool = False) -> dict[str, float]:
+        """Seconds spent per stage in this worker (`LLM.collective_rpc("dartree_seconds")`)."""
+        seconds = dict(self.model_runner.dartree_seconds)
+        if reset:
+            self.model_runner.dartree_seconds.clear()
+        return seconds
