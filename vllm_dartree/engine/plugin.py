@@ -155,7 +155,10 @@ def _check_target(args, target_model_config, target_parallel_config) -> None:
         except (CheckpointError, ValueError) as err:
             raise DartreeConfigError(f"drafter does not fit the target {model.model}: "
                                      f"{err}") from None
-        settings.config.check_drafter(vocab_size=spec.vocab_size, num_depths=spec.num_depths)
+        try:
+            settings.config.check_drafter(vocab_size=spec.vocab_size, num_depths=spec.num_depths)
+        except ValueError as err:
+            raise DartreeConfigError(f"invalid dartree speculative_config: {err}") from None
 
 
 def register() -> None:
