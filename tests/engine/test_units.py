@@ -77,33 +77,35 @@ def _random_tree(n, gen):
 
 
 @pytest.mark.parametrize("group", [1, 2])
-def test_tree_attention_equals_paged_reference(group):
+@pytest.mark.parametrize("chunk", [20, 90])   # a prompt chunk in the padded batch or alone
+def test_tree_attention_equals_paged_reference(group, chunk):
     """Mixed batch (decode row, prefill chunk, tree) over a paged cache, GQA or not."""
     gen = torch.Generator().manual_seed(0)
     kvh, d, bs, nb = 2, 32, 32, 12
     nh = kvh * group
     kv = torch.randn(nb, kvh, bs, 2 * d, generator=gen)
-    q_lens, seq_lens = [1, 20, 9], [40, 70, 50]
+    q_lens, seq_lens = [1, chunk, 9], [40, 95, 50]
     parents = _random_tree(8, gen)
     mask = ancestor_mask(parents[None])[0]                                 # [9, 9]
     qmax = max(q_lens)
     bits = torch.zeros(3, qmax, 1, dtype=torch.int32)
     bits[2, :9] = mask_to_bitmask(mask[None])[0]
     table = torch.randperm(nb, generator=gen)[:9].reshape(3, 3).int()
-    qsl = torch.tensor([0, 1, 21, 30], dtype=torch.int32)
-    q = torch.randn(30, nh, d, generator=gen)
-    md = DARTreeCPUMetadata(num_actual_tokens=30, max_query_len=qmax, query_start_loc=qsl,
-                            max_seq_len=70, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                            block_table=table, slot_mapping=torch.zeros(30, dtype=torch.long),
+    t = sum(q_lens)
+    qsl = torch.tensor([0, 1, 1 + chunk, t], dtype=torch.int32)
+    q = torch.randn(t, nh, d, generator=gen)
+    md = DARTreeCPUMetadata(num_actual_tokens=t, max_query_len=qmax, query_start_loc=qsl,
+                            max_seq_len=95, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                            block_table=table, slot_mapping=torch.zeros(t, dtype=torch.long),
                             is_tree=[False, False, True], tree_mask=bits)
     impl = DARTreeCPUAttentionImpl(nh, d, 0.3, kvh, None, None, "auto")
-    out = torch.zeros(30, nh * d)
-    impl.forward(None, q.reshape(30, -1), None, None, kv, md, out)
+    out = torch.zeros(t, nh * d)
+    impl.forward(None, q.reshape(t, -1), None, None, kv, md, out)
     k_cache, v_cache = kv_views(kv, d)
     batch = PagedBatch(qsl.long(), torch.tensor(seq_lens), table.long(),
                        torch.tensor([False, False, True]), bits)
     want = paged_attention_reference(q, k_cache.contiguous(), v_cache.contiguous(), batch, 0.3)
-    torch.testing.assert_close(out.reshape(30, nh, d), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.reshape(t, nh, d), want, atol=1e-5, rtol=1e-5)
 
 
 def test_kv_write_and_compaction():

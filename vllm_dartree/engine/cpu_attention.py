@@ -76,37 +76,102 @@ def copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> 
     kv_cache[db, :, do] = kv_cache[sb, :, so].clone()
 
 
+# Requests with at most this many rows this step (decode rows, verify trees) are attended
+# in one padded batch; longer ones (prompt chunks) one at a time.
+BATCHED_MAX_ROWS = 80
+
+
+@dataclass
+class _Plan:
+    """How this step's rows are attended, built once per step and shared by all layers."""
+    batched: list[int]            # requests in the padded batch
+    blocks: torch.Tensor | None   # [Rb, Lmax] physical block of every KV position
+    offsets: torch.Tensor | None  # [Rb, Lmax]
+    rows: torch.Tensor | None     # [Rb, Qmax] flattened query row of every padded row
+    row_valid: torch.Tensor | None  # [Rb, Qmax]
+    mask: torch.Tensor | None     # [Rb, 1, Qmax, Lmax] bool
+    single: list[int]             # requests attended one at a time
+
+
+def _window_mask(md: DARTreeCPUMetadata, r: int, q_len: int) -> torch.Tensor:
+    if md.is_tree is not None and md.is_tree[r]:
+        return bitmask_to_mask(md.tree_mask[r, :q_len], q_len)
+    return torch.ones(q_len, q_len, dtype=torch.bool).tril()
+
+
+def _plan(md: DARTreeCPUMetadata, block_size: int) -> _Plan:
+    cached = getattr(md, "_plan", None)
+    if cached is not None:
+        return cached
+    qsl = md.query_start_loc.tolist()
+    seq_lens = md.seq_lens.tolist()
+    q_lens = [qsl[r + 1] - qsl[r] for r in range(len(seq_lens))]
+    live = [r for r, q in enumerate(q_lens) if q > 0]
+    batched = [r for r in live if q_lens[r] <= BATCHED_MAX_ROWS]
+    single = [r for r in live if q_lens[r] > BATCHED_MAX_ROWS]
+    plan = _Plan(batched, None, None, None, None, None, single)
+    if batched:
+        q_max = max(q_lens[r] for r in batched)
+        l_max = max(seq_lens[r] for r in batched)
+        seq = torch.tensor([seq_lens[r] for r in batched])
+        qn = torch.tensor([q_lens[r] for r in batched])
+        pos = torch.arange(l_max)[None, :].expand(len(batched), l_max)
+        pos = torch.where(pos < seq[:, None], pos, 0)
+        table = md.block_table[torch.tensor(batched)].long()
+        plan.blocks = torch.gather(table, 1, pos // block_size)
+        plan.offsets = pos % block_size
+        j = torch.arange(q_max)[None, :]
+        plan.row_valid = j < qn[:, None]
+        plan.rows = torch.tensor([qsl[r] for r in batched])[:, None] + torch.minimum(
+            j, qn[:, None] - 1)
+        mask = torch.zeros(len(batched), q_max, l_max, dtype=torch.bool)
+        for i, r in enumerate(batched):
+            q, length = q_lens[r], seq_lens[r]
+            mask[i, :q, :length - q] = True
+            mask[i, :q, length - q:length] = _window_mask(md, r, q)
+            mask[i, q:, 0] = True    # padding rows: any finite softmax, discarded
+        plan.mask = mask[:, None]
+    md._plan = plan
+    return plan
+
+
 def tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, md: DARTreeCPUMetadata,
                    scale: float, out: torch.Tensor) -> None:
-    """query [T, NH, D] -> out [T, NH, D], one request at a time with torch SDPA."""
+    """query [T, NH, D] -> out [T, NH, D]: short requests in one padded SDPA call, prompt
+    chunks one at a time; every row sees its context and its causal / tree window."""
     head_size = query.shape[-1]
     k_cache, v_cache = kv_views(kv_cache, head_size)
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = query.shape[1] // kv_heads
+    plan = _plan(md, block_size)
+    if plan.batched:
+        k = k_cache[plan.blocks, plan.offsets]                           # [Rb, L, KVH, D]
+        v = v_cache[plan.blocks, plan.offsets]
+        if group > 1:
+            k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+        q = query[plan.rows]                                             # [Rb, Q, NH, D]
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.mask,
+            scale=scale).transpose(1, 2)                                 # [Rb, Q, NH, D]
+        out[plan.rows[plan.row_valid]] = attn[plan.row_valid].to(out.dtype)
     qsl = md.query_start_loc.tolist()
     seq_lens = md.seq_lens.tolist()
-    for r, seq_len in enumerate(seq_lens):
-        start, end = qsl[r], qsl[r + 1]
+    for r in plan.single:
+        start, end, seq_len = qsl[r], qsl[r + 1], seq_lens[r]
         q_len = end - start
-        if q_len <= 0:
-            continue
         positions = torch.arange(seq_len)
         blocks = md.block_table[r].long()[positions // block_size]
         offsets = positions % block_size
-        k = k_cache[blocks, offsets]                                   # [L, KVH, D]
+        k = k_cache[blocks, offsets]                                     # [L, KVH, D]
         v = v_cache[blocks, offsets]
         if group > 1:
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        mask = None
-        if md.is_tree is not None and md.is_tree[r]:
-            window = bitmask_to_mask(md.tree_mask[r, :q_len], q_len)
-            mask = torch.cat([window.new_ones(q_len, seq_len - q_len), window], dim=1)
-        elif q_len > 1:
-            mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril(seq_len - q_len)
+        window = _window_mask(md, r, q_len)
+        mask = torch.cat([window.new_ones(q_len, seq_len - q_len), window], dim=1)
         attn = torch.nn.functional.scaled_dot_product_attention(
             query[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
             attn_mask=mask, scale=scale)
-        out[start:end] = attn.transpose(0, 1)
+        out[start:end] = attn.transpose(0, 1).to(out.dtype)
 
 
 class DARTreeCPUAttentionImpl(AttentionImpl):
