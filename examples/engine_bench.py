@@ -101,9 +101,9 @@ def _prompts(args) -> list[list[int]]:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(args.target)
         texts = [json.loads(line)["prompt"] for line in open(args.prompts) if line.strip()]
-        ids = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
-                                       add_generation_prompt=True) for t in texts]
-        return [list(i["input_ids"] if isinstance(i, dict) else i) for i in ids][:args.requests]
+        chats = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                         add_generation_prompt=True) for t in texts]
+        return [tok(c, add_special_tokens=False)["input_ids"] for c in chats][:args.requests]
     import torch
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(5, 1000, (int(n),), generator=gen).tolist()
