@@ -1,0 +1,25 @@
+"""examples/engine_bench.py runs end to end (plain + oracle, two small levels) and prints a
+table whose oracle rows reach tau = depth + 1."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "engine_bench.py"
+
+
+def test_engine_bench_runs(tmp_path):
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--methods", "plain,oracle",
+                           "--requests", "3", "--concurrency", "1,3", "--max-tokens", "16",
+                           "--depth", "4"], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line.split() for line in proc.stdout.splitlines()
+            if re.match(r"(plain|oracle)\s+\d", line)]
+    assert [(r[0], r[1]) for r in rows] == [("plain", "1"), ("plain", "3"), ("oracle", "1"),
+                                            ("oracle", "3")]
+    assert all(r[4] == "5.00" for r in rows if r[0] == "oracle"), proc.stdout
