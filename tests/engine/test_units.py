@@ -28,6 +28,7 @@ def test_translate_builds_the_carrier(tiny):
 
 @pytest.mark.parametrize("change, message", [
     ({"budget": 0}, "budget"),
+    ({"budget": 200}, "at most 128 draft tokens"),
     ({"depth_bonus": 0.3}, "depth_bonus"),
     ({"variant": "wide"}, "variant"),
     ({"widht": 3}, "unknown dartree speculative_config key(s) ['widht']"),

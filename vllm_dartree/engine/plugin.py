@@ -37,6 +37,7 @@ logger = logging.getLogger("vllm.dartree")
 PROPOSER = "vllm_dartree.engine.proposer.DARTreeProposer"
 CPU_WORKER = "vllm_dartree.engine.worker.DARTreeCPUWorker"
 _CONFIG_KEYS = set(DARTreeConfig.model_fields)
+MAX_ENGINE_BUDGET = 128   # vllm.v1.sample.rejection_sampler.MAX_SPEC_LEN (checked at warm-up)
 
 
 class DartreeConfigError(ValueError):
@@ -85,6 +86,11 @@ def translate(spec: dict[str, Any]) -> tuple[dict[str, Any], EngineSettings]:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}"
                              for e in err.errors())
         raise DartreeConfigError(f"invalid dartree speculative_config: {problems}") from None
+    if config.budget > MAX_ENGINE_BUDGET:
+        raise DartreeConfigError(
+            f"budget = {config.budget}: vLLM 0.32's runner handles at most "
+            f"{MAX_ENGINE_BUDGET} draft tokens per request and step (its MAX_SPEC_LEN); use "
+            f"budget <= {MAX_ENGINE_BUDGET}")
     if num_spec is not None and num_spec != config.budget:
         raise DartreeConfigError(
             f"num_speculative_tokens = {num_spec} must equal the tree budget = {config.budget} "
