@@ -1,0 +1,71 @@
+"""Regenerate responses with the target itself, in vLLM (no speculation): drafter training
+data is the target's own text (the DFlash / Domino recipe).
+
+    python -m vllm_dartree.engine.generate --target DIR --prompts IN.jsonl --out OUT.jsonl
+        [--max-tokens 256] [--temperature 0] [--max-num-seqs 16] [--chunk 64]
+
+IN.jsonl holds {"prompt": text} lines; each gets the target's chat template (thinking off
+where the template has the switch). OUT.jsonl gets {"prompt", "prompt_ids", "output_ids"}
+lines, appended chunk by chunk: a run that is cut off resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _chat_ids(tokenizer, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    try:
+        chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             enable_thinking=False)
+    except TypeError:
+        chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(chat, add_special_tokens=False)["input_ids"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-prompt-tokens", type=int, default=512)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args(argv)
+
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    texts = [json.loads(line)["prompt"] for line in open(args.prompts) if line.strip()]
+    out = Path(args.out)
+    done = sum(1 for line in open(out) if line.strip()) if out.exists() else 0
+    if done >= len(texts):
+        print(f"{out}: all {len(texts)} responses already generated")
+        return
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    llm = LLM(model=args.target, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_model_len=args.max_prompt_tokens + args.max_tokens,
+              gpu_memory_utilization=0.2, seed=0, enforce_eager=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
+    for start in range(done, len(texts), args.chunk):
+        chunk = texts[start:start + args.chunk]
+        ids = [_chat_ids(tokenizer, t)[-args.max_prompt_tokens:] for t in chunk]
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+        with open(out, "a") as f:
+            for text, p, o in zip(chunk, ids, outs):
+                f.write(json.dumps({"prompt": text, "prompt_ids": p,
+                                    "output_ids": list(o.outputs[0].token_ids)}) + "\n")
+        print(f"{out}: {min(start + args.chunk, len(texts))}/{len(texts)} responses",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
