@@ -47,12 +47,12 @@ def setup(tmp_path_factory):
             "shards": shards}
 
 
-def _trainer(setup, workdir, **kw):
+def _trainer(setup, workdir, mask=False, **kw):
     t = setup["target"]
     config = TrainConfig(**{"steps": 40, "sequences_per_step": 2, "anchors_per_sequence": 8,
                             "lr": 3e-3, "warmup_steps": 5, "checkpoint_every": 10, **kw})
     return DrafterTrainer(setup["spec"], t.model.embed_tokens.weight, t.lm_head.weight,
-                          config, workdir, gru_hidden=16, emb_dim=8)
+                          config, workdir, gru_hidden=16, emb_dim=8, learn_mask_embedding=mask)
 
 
 def test_loss_falls_and_acceptance_rises(setup, tmp_path):
@@ -90,7 +90,7 @@ def test_loss_uses_every_depth_with_decay(setup, tmp_path):
 
 
 def test_export_loads_and_decodes_losslessly(setup, tmp_path):
-    trainer = _trainer(setup, tmp_path, steps=10)
+    trainer = _trainer(setup, tmp_path, mask=True, steps=10)   # a learned MASK input
     for _ in range(10):
         trainer.train_step(setup["shards"])
     t = setup["target"]
@@ -99,6 +99,8 @@ def test_export_loads_and_decodes_losslessly(setup, tmp_path):
                                               t.config.num_hidden_layers),
                            t.model.embed_tokens.weight, t.lm_head.weight, dtype=torch.float32)
     assert drafter.spec.num_depths == 6 and drafter.head is not None
+    torch.testing.assert_close(drafter.backbone.mask_embedding.detach(),
+                               trainer.backbone.mask_embedding.detach().to(torch.bfloat16).float())
     prompt = setup["shards"][0].tokens[:6].tolist()
     params = SamplingParams(max_new_tokens=20)
     plain = ReferenceDecoder(t).generate(prompt, params).output_tokens

@@ -18,9 +18,11 @@ any point. `export` writes the Domino checkpoint folder that `load_drafter` read
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,7 +32,8 @@ from safetensors.torch import save_file
 from vllm_dartree.drafter import DFlashBackbone, DominoGRUHead, DrafterSpec
 from vllm_dartree.drafter.layers import linear
 
-__all__ = ["TrainConfig", "FeatureShard", "DrafterTrainer", "domino_loss", "export_domino"]
+__all__ = ["TrainConfig", "FeatureShard", "DrafterTrainer", "domino_loss", "export_domino",
+           "spec_for_target", "main"]
 
 
 @dataclass(frozen=True)
@@ -108,10 +111,12 @@ class DrafterTrainer:
 
     def __init__(self, spec: DrafterSpec, embed_weight: torch.Tensor,
                  lm_head_weight: torch.Tensor, config: TrainConfig, workdir: str | Path,
-                 gru_hidden: int = 256, emb_dim: int = 64):
+                 gru_hidden: int = 256, emb_dim: int = 64, learn_mask_embedding: bool = False):
         torch.manual_seed(config.seed)
         self.spec, self.config, self.workdir = spec, config, Path(workdir)
         self.backbone = DFlashBackbone(spec, embed_weight.float(), lm_head_weight.float())
+        if learn_mask_embedding:   # targets without a mask token (SmolLM2): learn its input
+            self.backbone.mask_embedding = torch.nn.Parameter(torch.zeros(spec.hidden_size))
         self.head = DominoGRUHead(spec.hidden_size, gru_hidden, emb_dim, spec.vocab_size,
                                   embed_weight.float(), num_uncorrected=1)
         self._init_weights()
@@ -226,3 +231,73 @@ def export_domino(trainer: DrafterTrainer, folder: str | Path, num_target_layers
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, str(folder / "model.safetensors"))
     return folder
+
+
+def spec_for_target(target_config, layer_ids: list[int], num_layers: int = 1,
+                    block_size: int = 16, mask_token_id: int = 0) -> DrafterSpec:
+    """A Domino spec sized like the target (its hidden size, heads and RoPE)."""
+    heads = target_config.num_attention_heads
+    return DrafterSpec(
+        format="domino", hidden_size=target_config.hidden_size,
+        intermediate_size=target_config.intermediate_size, num_layers=num_layers,
+        num_heads=heads, num_kv_heads=getattr(target_config, "num_key_value_heads", heads),
+        head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+        rope_theta=float(getattr(target_config, "rope_theta", 1e6) or 1e6),
+        rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),
+        vocab_size=target_config.vocab_size, target_layer_ids=tuple(layer_ids),
+        mask_token_id=mask_token_id, query_len=block_size, depth_offset=0,
+        num_depths=block_size, num_uncorrected=1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Train a Domino drafter on features from `python -m vllm_dartree.zoo.data`"
+                    " (resumes from WORKDIR/checkpoint.pt).")
+    parser.add_argument("--target", required=True, type=Path)
+    parser.add_argument("--data", required=True, type=Path, help="the zoo.data workdir")
+    parser.add_argument("--layers", required=True, help="target layer ids used by zoo.data")
+    parser.add_argument("--workdir", required=True, type=Path)
+    parser.add_argument("--export", type=Path, help="write the Domino folder here at the end")
+    parser.add_argument("--steps", type=int, default=TrainConfig.steps)
+    parser.add_argument("--draft-layers", type=int, default=1)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gru-hidden", type=int, default=256)
+    parser.add_argument("--emb-dim", type=int, default=64)
+    parser.add_argument("--held-out", type=int, default=16)
+    parser.add_argument("--log-every", type=int, default=10)
+    args = parser.parse_args(argv)
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vllm_dartree.zoo.data import load_shards
+    tcfg = AutoConfig.from_pretrained(args.target)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+    embed = target.get_input_embeddings().weight.detach()
+    head = target.get_output_embeddings().weight.detach()
+    layer_ids = [int(i) for i in args.layers.split(",")]
+    shards = load_shards(sorted(args.data.glob("features-*.pt")))
+    held, train = shards[:args.held_out], shards[args.held_out:]
+    spec = spec_for_target(tcfg, layer_ids, args.draft_layers, args.block_size)
+    trainer = DrafterTrainer(spec, embed, head, TrainConfig(steps=args.steps), args.workdir,
+                             gru_hidden=args.gru_hidden, emb_dim=args.emb_dim,
+                             learn_mask_embedding=True)
+    print(f"{len(train)} training / {len(held)} held-out sequences; resuming at step "
+          f"{trainer.step} of {args.steps}", flush=True)
+    start = time.perf_counter()
+    while trainer.step < args.steps:
+        record = trainer.train_step(train)
+        if trainer.step % args.log_every == 0:
+            rate = (time.perf_counter() - start) / args.log_every
+            start = time.perf_counter()
+            print(f"step {trainer.step}: loss {record['loss']:.3f}, teacher-forced accepted "
+                  f"{record['tf_accept']:.2f}, {rate:.1f} s/step", flush=True)
+        if trainer.step % (10 * args.log_every) == 0 and held:
+            print(f"step {trainer.step}: held-out accepted {trainer.evaluate(held):.2f}",
+                  flush=True)
+    if args.export:
+        export_domino(trainer, args.export, tcfg.num_hidden_layers)
+        print(f"wrote {args.export}")
+
+
+if __name__ == "__main__":
+    main()
