@@ -32,7 +32,7 @@ def write_prompts(workdir: Path, count: int) -> Path:
     path = workdir / "prompts.jsonl"
     if not path.exists():
         from vllm_dartree.zoo.sharegpt import load_sharegpt_prompts
-        prompts = load_sharegpt_prompts(limit=count)
+        prompts, _ = load_sharegpt_prompts(limit=count)
         path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     return path
 
