@@ -15,7 +15,8 @@ vLLM's runner speculates with chains. One dartree step, in the runner's own orde
    vLLM's full sampler (logprobs, penalties, bad words, min_tokens, min_p, logit bias,
    allowed tokens, structured output) samples every request from its root row with vLLM's
    sampler instead (all drafts rejected: exact, only slower); no drafts are proposed while
-   such a request is in the batch.
+   such a request is in the batch. Requests without a tree this step (prefills, plain
+   steps) take vLLM's own sample, so a seeded request's first token is plain decoding's.
 5. `_update_states_after_model_execute`: KV compaction, the accepted nodes' K/V move into
    chain slots p0+1..p0+L before the scheduler (which assumes a chain) sees the result.
 6. `propose_draft_token_ids`: the target's aux hidden states of every committed row (prompt
@@ -210,7 +211,9 @@ class DARTreeRunnerMixin:
 
         num = [len(d) for d in step.drafts]
         offsets = np.concatenate([[0], np.cumsum(np.asarray(num) + 1)[:-1]]).astype(np.int64)
-        if self._dt_full_sampler_batch(step):
+        if not any(num) or self._dt_full_sampler_batch(step):
+            # No drafts at all (prefills, plain steps): vLLM's own sampler, as without
+            # speculation (the same seeded draws); or a request that needs its features.
             step.accepted = [[] for _ in num]
             roots = torch.as_tensor(offsets, device=logits.device)
             self.input_batch.update_async_output_token_ids()
@@ -224,6 +227,17 @@ class DARTreeRunnerMixin:
             cols[None, :], torch.as_tensor(num, device=logits.device)[:, None])
         result = walk(tree, targets[index])
         sampled = result.output_tokens(tree).to(torch.int32)
+        plain_rows = [i for i, n in enumerate(num) if n == 0]
+        if plain_rows:   # requests without a tree this step: vLLM's sampler, as without
+            roots = torch.as_tensor(offsets, device=logits.device)   # speculation
+            metadata = self.input_batch.sampling_metadata
+            # the tree requests' seeded streams must not depend on who shared their step
+            saved = {i: g.get_state() for i, g in metadata.generators.items() if num[i]}
+            stock = self.sampler(logits=logits[roots], sampling_metadata=metadata)
+            for i, state in saved.items():
+                metadata.generators[i].set_state(state)
+            rows = torch.as_tensor(plain_rows, device=logits.device)
+            sampled[rows, 0] = stock.sampled_token_ids[rows, 0].to(torch.int32)
         counts = result.num_accepted.tolist()
         nodes = result.accepted_nodes.tolist()
         step.accepted = [nodes[i][:c] for i, c in enumerate(counts)]
@@ -257,8 +271,8 @@ class DARTreeRunnerMixin:
         generators = self.input_batch.sampling_metadata.generators
         for i, rid in enumerate(step.req_ids):
             sp = getattr(self.requests.get(rid), "sampling_params", None)
-            if sp is None or sp.temperature < 1e-5:
-                continue
+            if sp is None or sp.temperature < 1e-5 or not step.drafts[i]:
+                continue   # greedy, or no tree (vLLM's sampler draws that request's token)
             lo, hi = int(offsets[i]), int(offsets[i]) + len(step.drafts[i]) + 1
             top_k = sp.top_k if sp.top_k and sp.top_k > 0 else 0
             tokens[lo:hi] = sample_target_tokens(
