@@ -8,9 +8,9 @@ Each method runs in its own engine process (one vLLM engine per process); inside
 concurrency level c sends the same requests c at a time and times them after a warm-up.
 Printed per method and level: output tokens/s, the ratio to plain decoding at that level,
 tau (vLLM's mean acceptance length), and the share of the wall time the dartree worker
-spent in the target's forward (`execute_model`), drafting, the tree walk and KV compaction. `oracle` is
-a drafter that knows the target's greedy continuation (tau = depth + 1): the ceiling that
-tree verification reaches in this engine when the drafter is right.
+spent in the target's forward (`execute_model`), drafting, the tree walk and KV compaction.
+`oracle` is a drafter that knows the target's greedy continuation (tau = depth + 1): the
+ceiling that tree verification reaches in this engine when the drafter is right.
 """
 
 from __future__ import annotations
@@ -99,11 +99,10 @@ def _run(job: dict, workdir: Path, name: str) -> dict:
 def _prompts(args) -> list[list[int]]:
     if args.prompts:
         from transformers import AutoTokenizer
+
+        from vllm_dartree.bench.datasets import read_prompt_ids
         tok = AutoTokenizer.from_pretrained(args.target)
-        texts = [json.loads(line)["prompt"] for line in open(args.prompts) if line.strip()]
-        chats = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                         add_generation_prompt=True) for t in texts]
-        return [tok(c, add_special_tokens=False)["input_ids"] for c in chats][:args.requests]
+        return read_prompt_ids(args.prompts, tok, limit=args.requests)[1]
     import torch
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(5, 1000, (int(n),), generator=gen).tolist()

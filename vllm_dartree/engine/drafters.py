@@ -111,13 +111,13 @@ class OracleTreeDrafter:
                 depths += [d, d]
             trees.append((tokens[:budget], parents[:budget], depths[:budget]))
         n = max(1, max(len(t[0]) for t in trees))
-        out = {k: torch.zeros(len(trees), n, dtype=torch.long) for k in ("tok", "dep")}
+        tok = torch.zeros(len(trees), n, dtype=torch.long)
+        dep = torch.zeros(len(trees), n, dtype=torch.long)
         par = torch.full((len(trees), n), -1, dtype=torch.long)
         scores = torch.full((len(trees), n), float("-inf"))
-        for r, (tok, p, d) in enumerate(trees):
-            m = len(tok)
-            out["tok"][r, :m], par[r, :m], out["dep"][r, :m] = (torch.tensor(tok), torch.tensor(p),
-                                                                 torch.tensor(d))
+        for r, (t, p, d) in enumerate(trees):
+            m = len(t)
+            tok[r, :m], par[r, :m], dep[r, :m] = torch.tensor(t), torch.tensor(p), torch.tensor(d)
             scores[r, :m] = 0.0
         num = torch.tensor([len(t[0]) for t in trees], dtype=torch.long)
-        return TreeBatch(out["tok"], par, out["dep"], scores, num)
+        return TreeBatch(tok, par, dep, scores, num)

@@ -18,16 +18,6 @@ from pathlib import Path
 __all__ = ["main"]
 
 
-def _chat_ids(tokenizer, text: str) -> list[int]:
-    messages = [{"role": "user", "content": text}]
-    try:
-        chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             enable_thinking=False)
-    except TypeError:
-        chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(chat, add_special_tokens=False)["input_ids"]
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True)
@@ -44,20 +34,21 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    texts = [json.loads(line)["prompt"] for line in open(args.prompts) if line.strip()]
+    from vllm_dartree.bench.datasets import read_prompt_ids
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    texts, prompt_ids = read_prompt_ids(args.prompts, tokenizer)
     out = Path(args.out)
     done = sum(1 for line in open(out) if line.strip()) if out.exists() else 0
     if done >= len(texts):
         print(f"{out}: all {len(texts)} responses already generated")
         return
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
     llm = LLM(model=args.target, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_prompt_tokens + args.max_tokens,
               gpu_memory_utilization=0.2, seed=0, enforce_eager=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
     for start in range(done, len(texts), args.chunk):
         chunk = texts[start:start + args.chunk]
-        ids = [_chat_ids(tokenizer, t)[-args.max_prompt_tokens:] for t in chunk]
+        ids = [p[-args.max_prompt_tokens:] for p in prompt_ids[start:start + args.chunk]]
         outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
         with open(out, "a") as f:
             for text, p, o in zip(chunk, ids, outs):

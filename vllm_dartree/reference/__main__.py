@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
+from vllm_dartree.bench.datasets import read_prompt_ids
 from vllm_dartree.reference.decoder import (
     METHODS,
     DrafterSession,
@@ -56,28 +56,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load_prompts(path: str, tokenizer, use_template: bool, limit: int | None) -> list[list[int]]:
-    prompts = []
-    for line_no, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            text = json.loads(line)["prompt"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise SystemExit(f"{path}:{line_no}: expected a JSON object with a 'prompt' field")
-        if use_template and tokenizer.chat_template:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                add_generation_prompt=True, tokenize=True,
-                                                enable_thinking=False)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        else:
-            ids = tokenizer(text)["input_ids"]
-        prompts.append(list(ids))
-        if limit and len(prompts) >= limit:
-            break
-    return prompts
-
-
 def _eos_ids(model, tokenizer) -> tuple[int, ...]:
     ids = {tokenizer.eos_token_id}
     gen_eos = getattr(model.generation_config, "eos_token_id", None)
@@ -107,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
                                                         cfg.num_hidden_layers),
                                target.get_input_embeddings().weight,
                                target.get_output_embeddings().weight, dtype=dtype)
-    prompts = _load_prompts(args.prompts, tokenizer, not args.no_chat_template, args.limit)
+    _, prompts = read_prompt_ids(args.prompts, tokenizer, not args.no_chat_template,
+                                 args.limit)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             eos_token_ids=_eos_ids(target, tokenizer))
