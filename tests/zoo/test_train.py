@@ -2,6 +2,8 @@
 a run cut off and resumed equals an uninterrupted one, and the exported Domino folder
 loads with load_drafter and drafts losslessly in the reference decoder."""
 
+import math
+
 import pytest
 import torch
 
@@ -87,6 +89,54 @@ def test_loss_uses_every_depth_with_decay(setup, tmp_path):
                               gamma=7.0, lam=0.5)
     # anchors 0 and 30 see all 6 labels; anchor 45 is the last token (T = 46): none
     assert stats["tokens"] == 6 + 6 + 0 and torch.isfinite(loss)
+
+
+def _loss_oracle(backbone, head, shard, anchors, gamma, lam):
+    """The loss written one anchor and one depth at a time, straight from the recipe."""
+    hidden = backbone.anchored_forward(shard.features, shard.tokens, anchors)
+    lm_head, length = backbone.lm_head_weight, shard.tokens.shape[0]
+    total = weight_sum = 0.0
+    for a_i, a in enumerate(anchors.tolist()):
+        state = head.init(shard.tokens[a:a + 1])[:, 0]            # after the root x_a
+        for k in range(1, backbone.spec.num_depths + 1):
+            if a + k >= length:
+                break
+            label = shard.tokens[a + k]
+            z = hidden[a_i, k - 1]
+            base = lm_head @ z
+            final = base if k <= head.num_uncorrected else base + head.correction(z, state[0])
+            ce = lambda logits: -torch.log_softmax(logits, -1)[label]   # noqa: E731
+            w = math.exp(-(k - 1) / gamma)
+            total = total + w * ((1 - lam) * ce(final) + lam * ce(base))
+            weight_sum += w
+            state = head.gru_step(state, label[None])
+    return total / weight_sum
+
+
+def test_loss_equals_per_depth_oracle(setup, tmp_path):
+    trainer = _trainer(setup, tmp_path, mask=True)
+    with torch.no_grad():           # a head whose corrections matter (init std 0.02 is tiny)
+        for p in trainer.head.parameters():
+            p.normal_(0, 0.5, generator=torch.Generator().manual_seed(p.numel()))
+    shard, anchors = setup["shards"][1], torch.tensor([0, 7, 20, 43])
+    loss, _ = domino_loss(trainer.backbone, trainer.head, shard, anchors, gamma=7.0, lam=0.3)
+    expected = _loss_oracle(trainer.backbone, trainer.head, shard, anchors, 7.0, 0.3)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(loss, [trainer.head.prefix_gru.weight_hh_l0,
+                                       trainer.backbone.fc.weight])
+    want = torch.autograd.grad(expected, [trainer.head.prefix_gru.weight_hh_l0,
+                                          trainer.backbone.fc.weight])
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_bf16_training_learns(setup, tmp_path):
+    trainer = _trainer(setup, tmp_path, bf16=True)
+    first = trainer.train_step(setup["shards"])["loss"]
+    for _ in range(39):
+        trainer.train_step(setup["shards"])
+    assert all(p.dtype == torch.float32 for p in trainer.backbone.parameters())   # fp32 master
+    assert sum(h["loss"] for h in trainer.history[-5:]) / 5 < 0.7 * first
 
 
 def test_export_loads_and_decodes_losslessly(setup, tmp_path):

@@ -40,7 +40,8 @@ def write_prompts(workdir: Path, count: int) -> Path:
 def generate_responses(target: Path, prompts: Path, out: Path, max_tokens: int) -> Path:
     subprocess.run([sys.executable, "-m", "vllm_dartree.engine.generate", "--target",
                     str(target), "--prompts", str(prompts), "--out", str(out),
-                    "--max-tokens", str(max_tokens)], check=True)
+                    "--max-tokens", str(max_tokens), "--max-num-seqs", "32", "--chunk", "128"],
+                   check=True)
     return out
 
 

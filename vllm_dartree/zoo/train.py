@@ -30,7 +30,6 @@ import torch
 from safetensors.torch import save_file
 
 from vllm_dartree.drafter import DFlashBackbone, DominoGRUHead, DrafterSpec
-from vllm_dartree.drafter.layers import linear
 
 __all__ = ["TrainConfig", "FeatureShard", "DrafterTrainer", "domino_loss", "export_domino",
            "spec_for_target", "main"]
@@ -49,6 +48,7 @@ class TrainConfig:
     lambda_end: float = 0.1
     checkpoint_every: int = 50
     seed: int = 0
+    bf16: bool = False    # matrix products in bfloat16 (CPU autocast; AMX makes them ~3x faster)
 
     def lam(self, step: int) -> float:
         frac = min(1.0, step / max(1, self.steps))
@@ -81,17 +81,16 @@ def domino_loss(backbone: DFlashBackbone, head: DominoGRUHead, shard: FeatureSha
     target_pos = anchors[:, None] + d[None, :]                                 # x_{a+k}
     valid = target_pos < tokens.shape[0]
     labels = torch.where(valid, tokens[target_pos.clamp(max=tokens.shape[0] - 1)], -100)
-    base = linear(hidden, backbone.lm_head_weight.to(hidden.dtype))           # [A, D, V]
-    # Teacher-forced GRU states: after the root, then after each ground-truth token.
-    state = head.init(tokens[anchors])[:, 0]                                   # [A, G]
-    corrections = []
-    for k in range(depths):
-        if k >= head.num_uncorrected:
-            corrections.append(head.correction(hidden[:, k], state))
-        else:
-            corrections.append(torch.zeros_like(base[:, k]))
-        state = head.gru_step(state, labels[:, k].clamp(min=0))
-    final = base + torch.stack(corrections, dim=1)
+    # One large product each (contiguous [A*D, V] logits; under bf16 autocast on AMX).
+    base = torch.nn.functional.linear(hidden, backbone.lm_head_weight.to(hidden.dtype))
+    # Teacher-forced GRU states: S_0 after the root, S_k after the ground-truth x_{a+1..a+k};
+    # depth k >= num_uncorrected is corrected from (z_k, S_k), all depths in one call.
+    skip = head.num_uncorrected
+    states = [head.init(tokens[anchors])[:, 0]]                                # [A, G]
+    for k in range(depths - 1):
+        states.append(head.gru_step(states[-1], labels[:, k].clamp(min=0)))
+    corrections = head.correction(hidden[:, skip:], torch.stack(states[skip:], dim=1))
+    final = torch.cat([base[:, :skip], base[:, skip:] + corrections.to(base.dtype)], dim=1)
     weights = torch.exp(-(d.float() - 1) / gamma)[None, :].expand_as(labels)
     ce = torch.nn.functional.cross_entropy
     flat = labels.reshape(-1)
@@ -177,9 +176,10 @@ class DrafterTrainer:
         total, stats = 0.0, {"tokens": 0, "accepted": 0, "anchors": 0}
         for i in picks.tolist():
             shard = shards[i]
-            loss, s = domino_loss(self.backbone, self.head, shard,
-                                  self._anchors(shard.tokens.shape[0]), cfg.gamma,
-                                  cfg.lam(self.step))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                loss, s = domino_loss(self.backbone, self.head, shard,
+                                      self._anchors(shard.tokens.shape[0]), cfg.gamma,
+                                      cfg.lam(self.step))
             (loss / len(picks)).backward()
             total += float(loss.detach()) / len(picks)
             stats = {k: stats[k] + s[k] for k in stats}
@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--emb-dim", type=int, default=64)
     parser.add_argument("--held-out", type=int, default=16)
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                        help="matrix products in bf16 autocast (fp32 master weights) or fp32")
     args = parser.parse_args(argv)
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     shards = load_shards(sorted(args.data.glob("features-*.pt")))
     held, train = shards[:args.held_out], shards[args.held_out:]
     spec = spec_for_target(tcfg, layer_ids, args.draft_layers, args.block_size)
-    trainer = DrafterTrainer(spec, embed, head, TrainConfig(steps=args.steps), args.workdir,
+    trainer = DrafterTrainer(spec, embed, head, TrainConfig(steps=args.steps, bf16=args.precision == "bf16"), args.workdir,
                              gru_hidden=args.gru_hidden, emb_dim=args.emb_dim,
                              learn_mask_embedding=True)
     print(f"{len(train)} training / {len(held)} held-out sequences; resuming at step "
