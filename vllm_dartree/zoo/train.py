@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     shards = load_shards(sorted(args.data.glob("features-*.pt")))
     held, train = shards[:args.held_out], shards[args.held_out:]
     spec = spec_for_target(tcfg, layer_ids, args.draft_layers, args.block_size)
-    trainer = DrafterTrainer(spec, embed, head, TrainConfig(steps=args.steps, bf16=args.precision == "bf16"), args.workdir,
+    config = TrainConfig(steps=args.steps, bf16=args.precision == "bf16")
+    trainer = DrafterTrainer(spec, embed, head, config, args.workdir,
                              gru_hidden=args.gru_hidden, emb_dim=args.emb_dim,
                              learn_mask_embedding=True)
     print(f"{len(train)} training / {len(held)} held-out sequences; resuming at step "
