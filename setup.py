@@ -28,6 +28,8 @@ setup(
         "vllm_dartree.csrc_triton",
     ],
     package_dir={"vllm_dartree.csrc_triton": "csrc_triton"},
+    # The drafters trained for the offline targets (Domino format, bf16): zoo.shipped.
+    package_data={"vllm_dartree.zoo": ["drafters/*/*.json", "drafters/*/*.safetensors"]},
     install_requires=[
         "torch>=2.4",
         "triton>=3.0",

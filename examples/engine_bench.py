@@ -58,7 +58,8 @@ def worker(job_path: str) -> None:
 
     llm = LLM(**job["engine"])
     prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
-    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0,
+                            ignore_eos=job.get("ignore_eos", True))
     llm.generate(prompts[:2], params, use_tqdm=False)     # warm-up
     spec = "speculative_config" in job["engine"]
     results = {"levels": {}, "outputs": None}
@@ -83,7 +84,7 @@ def worker(job_path: str) -> None:
     Path(job_path).with_suffix(".out.json").write_text(json.dumps(results))
 
 
-def _run(job: dict, workdir: Path, name: str) -> dict:
+def run_engine(job: dict, workdir: Path, name: str) -> dict:
     path = workdir / f"{name}.json"
     path.write_text(json.dumps(job))
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get(
@@ -143,7 +144,7 @@ def main() -> None:
         job = {"engine": _engine_kwargs(args, method, str(oracle_file)), "prompts": prompts,
                "max_tokens": args.max_tokens + (args.depth + 1 if method == "plain" else 0),
                "concurrency": args.concurrency}
-        results[method] = _run(job, workdir, method)
+        results[method] = run_engine(job, workdir, method)
         if method == "plain":
             oracle_file.write_text(json.dumps({"depth": args.depth, "continuations": [
                 [p, o] for p, o in zip(prompts, results["plain"]["outputs"])]}))
