@@ -63,7 +63,7 @@ def write_features(target_dir: Path, responses: Path, workdir: Path,
         shard = []
         for row in rows[first:first + SHARD]:
             ids = torch.tensor([row["prompt_ids"] + row["output_ids"]])
-            out = model(ids, output_hidden_states=True)
+            out = model.model(ids, output_hidden_states=True)   # no lm_head: no logits
             feats = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
             shard.append({"tokens": ids[0], "features": feats.to(torch.bfloat16)})
         tmp = path.with_suffix(".tmp")
