@@ -91,6 +91,19 @@ def test_loss_uses_every_depth_with_decay(setup, tmp_path):
     assert stats["tokens"] == 6 + 6 + 0 and torch.isfinite(loss)
 
 
+def test_anchors_are_response_tokens(setup, tmp_path):
+    trainer = _trainer(setup, tmp_path)
+    base = setup["shards"][0]
+    shard = FeatureShard(base.tokens, base.features, first_anchor=30)   # T = 46
+    assert shard.anchor_range() == (30, 45)
+    for _ in range(20):
+        a = trainer._anchors(shard)
+        assert a.shape == (8,) and int(a.min()) >= 30 and int(a.max()) < 45
+        assert torch.equal(a, a.unique())
+    short = FeatureShard(base.tokens, base.features, first_anchor=60)   # no response: the end
+    assert short.anchor_range() == (44, 45)
+
+
 def _loss_oracle(backbone, head, shard, anchors, gamma, lam):
     """The loss written one anchor and one depth at a time, straight from the recipe."""
     hidden = backbone.anchored_forward(shard.features, shard.tokens, anchors)

@@ -48,7 +48,8 @@ def generate_responses(target: Path, prompts: Path, out: Path, max_tokens: int) 
 @torch.no_grad()
 def write_features(target_dir: Path, responses: Path, workdir: Path,
                    layer_ids: list[int]) -> list[Path]:
-    """Shards `features-NNNNN.pt`: [{"tokens": [T] int64, "features": [T, n*H] bf16}, ...]."""
+    """Shards `features-NNNNN.pt`: [{"tokens": [T] int64, "features": [T, n*H] bf16,
+    "prompt_len": P}, ...]."""
     from transformers import AutoModelForCausalLM
 
     rows = [json.loads(line) for line in open(responses) if line.strip()]
@@ -65,7 +66,8 @@ def write_features(target_dir: Path, responses: Path, workdir: Path,
             ids = torch.tensor([row["prompt_ids"] + row["output_ids"]])
             out = model.model(ids, output_hidden_states=True)   # no lm_head: no logits
             feats = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
-            shard.append({"tokens": ids[0], "features": feats.to(torch.bfloat16)})
+            shard.append({"tokens": ids[0], "features": feats.to(torch.bfloat16),
+                          "prompt_len": len(row["prompt_ids"])})
         tmp = path.with_suffix(".tmp")
         torch.save(shard, tmp)
         tmp.replace(path)
@@ -73,11 +75,21 @@ def write_features(target_dir: Path, responses: Path, workdir: Path,
     return paths
 
 
-def load_shards(paths: list[Path]) -> list[FeatureShard]:
+def load_shards(paths: list[Path], responses: Path | None = None) -> list[FeatureShard]:
+    """The shards' sequences; prompt lengths from the shards, or for shards written before
+    they were stored, from `responses` (the responses.jsonl the shards were made from)."""
+    rows = ([json.loads(line) for line in open(responses) if line.strip()]
+            if responses is not None and responses.exists() else None)
     out = []
     for path in paths:
         for item in torch.load(path):
-            out.append(FeatureShard(item["tokens"], item["features"].float()))
+            prompt_len = item.get("prompt_len")
+            if prompt_len is None and rows is not None:
+                row = rows[len(out)]
+                if len(row["prompt_ids"]) + len(row["output_ids"]) != item["tokens"].shape[0]:
+                    raise ValueError(f"{path}: sequence {len(out)} does not match {responses}")
+                prompt_len = len(row["prompt_ids"])
+            out.append(FeatureShard(item["tokens"], item["features"].float(), prompt_len or 0))
     return out
 
 

@@ -65,6 +65,13 @@ class TrainConfig:
 class FeatureShard:
     tokens: torch.Tensor     # [T] int64
     features: torch.Tensor   # [T, n*H] the target's features of every token
+    first_anchor: int = 0    # the prompt length: anchors (block roots) are response tokens
+
+    def anchor_range(self) -> tuple[int, int]:
+        """[lo, hi) of the anchors whose block has at least one label (as SpecForge's loss
+        mask: the drafter never drafts inside the prompt, so it is not trained there)."""
+        hi = max(1, self.tokens.shape[0] - 1)
+        return min(self.first_anchor, hi - 1), hi
 
 
 def domino_loss(backbone: DFlashBackbone, head: DominoGRUHead, shard: FeatureShard,
@@ -162,10 +169,10 @@ class DrafterTrainer:
         self.step, self.history = state["step"], state["history"]
 
     # -- training --------------------------------------------------------------------------
-    def _anchors(self, length: int) -> torch.Tensor:
-        usable = max(1, length - 1)
-        count = min(self.config.anchors_per_sequence, usable)
-        return torch.randperm(usable, generator=self.generator)[:count].sort().values
+    def _anchors(self, shard: FeatureShard) -> torch.Tensor:
+        lo, hi = shard.anchor_range()
+        count = min(self.config.anchors_per_sequence, hi - lo)
+        return lo + torch.randperm(hi - lo, generator=self.generator)[:count].sort().values
 
     def train_step(self, shards: list[FeatureShard]) -> dict:
         cfg = self.config
@@ -178,7 +185,7 @@ class DrafterTrainer:
             shard = shards[i]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
                 loss, s = domino_loss(self.backbone, self.head, shard,
-                                      self._anchors(shard.tokens.shape[0]), cfg.gamma,
+                                      self._anchors(shard), cfg.gamma,
                                       cfg.lam(self.step))
             (loss / len(picks)).backward()
             total += float(loss.detach()) / len(picks)
@@ -196,11 +203,12 @@ class DrafterTrainer:
 
     @torch.no_grad()
     def evaluate(self, shards: list[FeatureShard]) -> float:
-        """Mean teacher-forced acceptance length per anchor on held-out sequences."""
+        """Mean teacher-forced acceptance length per anchor on held-out sequences (16 evenly
+        spaced anchors per sequence, in its response: where the drafter will draft)."""
         accepted = anchors = 0
         for shard in shards:
-            length = shard.tokens.shape[0]
-            a = torch.arange(0, max(1, length - 1), max(1, (length - 1) // 16))
+            lo, hi = shard.anchor_range()
+            a = torch.arange(lo, hi, max(1, (hi - lo) // 16))
             _, s = domino_loss(self.backbone, self.head, shard, a, self.config.gamma, 0.0)
             accepted, anchors = accepted + s["accepted"], anchors + s["anchors"]
         return accepted / max(1, anchors)
@@ -277,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     embed = target.get_input_embeddings().weight.detach()
     head = target.get_output_embeddings().weight.detach()
     layer_ids = [int(i) for i in args.layers.split(",")]
-    shards = load_shards(sorted(args.data.glob("features-*.pt")))
+    shards = load_shards(sorted(args.data.glob("features-*.pt")), args.data / "responses.jsonl")
     held, train = shards[:args.held_out], shards[args.held_out:]
     spec = spec_for_target(tcfg, layer_ids, args.draft_layers, args.block_size)
     config = TrainConfig(steps=args.steps, bf16=args.precision == "bf16")
