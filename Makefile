@@ -32,7 +32,7 @@ demo: $(STAMP)
 tree-demo: $(STAMP)
 	$(PY) examples/tree_demo.py
 
-# The Table-1-style tau table in the reference decoder (about 30 minutes with the defaults).
+# The Table-1-style tau table in the reference decoder (about 17 minutes with the defaults).
 tau: $(STAMP)
 	$(PY) -m vllm_dartree.bench.tau
 

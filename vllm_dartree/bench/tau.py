@@ -1,6 +1,6 @@
 """The Table-1-style table: acceptance length tau and speedup over AR, per method and dataset.
 
-    python -m vllm_dartree.bench.tau [--limit 4] [--max-new-tokens 80] [--temperatures 0,1]
+    python -m vllm_dartree.bench.tau [--limit 2] [--max-new-tokens 48] [--temperatures 0,1]
         [--datasets gsm8k,math500,aime25,humaneval,mt-bench] [--out bench_results/tau]
         [--target DIR --drafter DIR]
 
@@ -140,8 +140,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--models-dir", type=Path, help="where SmolLM2 is prepared")
     p.add_argument("--datasets", default=",".join(DEFAULT_DATASETS))
     p.add_argument("--methods", default=",".join(m for m, _ in ROWS))
-    p.add_argument("--limit", type=int, default=4, help="prompts per dataset")
-    p.add_argument("--max-new-tokens", type=int, default=80)
+    p.add_argument("--limit", type=int, default=2, help="prompts per dataset")
+    p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", type=Path, default=Path("bench_results/tau"))
