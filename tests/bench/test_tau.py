@@ -14,16 +14,12 @@ from vllm_dartree.testing import write_tiny_drafter, write_tiny_target
 def models(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from vllm_dartree.drafter import TargetInfo, load_drafter
+    from vllm_dartree.reference.decoder import load_drafter_for
     root = tmp_path_factory.mktemp("tau")
     target_dir = write_tiny_target(root / "target", seed=3)
     drafter_dir = write_tiny_drafter(root / "domino", "domino", target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    cfg = target.config
-    drafter = load_drafter(drafter_dir, TargetInfo(cfg.hidden_size, cfg.vocab_size,
-                                                   cfg.num_hidden_layers),
-                           target.get_input_embeddings().weight,
-                           target.get_output_embeddings().weight)
+    drafter = load_drafter_for(target, drafter_dir)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 1000, (n,), generator=gen).tolist() for n in (5, 9, 14)]
     return target, drafter, prompts

@@ -43,17 +43,12 @@ def smollm2():
 
 def test_shipped_drafter_is_lossless_and_accepts(smollm2):
     from vllm_dartree.bench.datasets import chat_prompt_ids
-    from vllm_dartree.drafter import TargetInfo, load_drafter
     from vllm_dartree.reference import DrafterSession, ReferenceDecoder, SamplingParams
-    from vllm_dartree.reference.decoder import method_config
+    from vllm_dartree.reference.decoder import load_drafter_for, method_config
 
     folder, model, tokenizer = smollm2
     drafter_dir = shipped_drafter(folder)             # validates against the target's config
-    cfg = model.config
-    drafter = load_drafter(drafter_dir, TargetInfo(cfg.hidden_size, cfg.vocab_size,
-                                                   cfg.num_hidden_layers),
-                           model.get_input_embeddings().weight,
-                           model.get_output_embeddings().weight)
+    drafter = load_drafter_for(model, drafter_dir)
     params = SamplingParams(max_new_tokens=48, eos_token_ids=(tokenizer.eos_token_id,))
     taus = []
     for text in PROMPTS:

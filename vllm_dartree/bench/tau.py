@@ -153,8 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_dartree.bench.datasets import chat_prompt_ids, load_prompts
-    from vllm_dartree.drafter import TargetInfo, load_drafter
-    from vllm_dartree.reference.__main__ import _eos_ids
+    from vllm_dartree.reference.decoder import eos_token_ids, load_drafter_for
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if "ar" not in methods:
@@ -171,12 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    cfg = target.config
-    drafter = load_drafter(args.drafter, TargetInfo(cfg.hidden_size, cfg.vocab_size,
-                                                    cfg.num_hidden_layers),
-                           target.get_input_embeddings().weight,
-                           target.get_output_embeddings().weight, dtype=dtype)
-    eos = _eos_ids(target, tokenizer)
+    drafter = load_drafter_for(target, args.drafter, dtype)
+    eos = eos_token_ids(target, tokenizer)
     prompts = {ds: [chat_prompt_ids(tokenizer, p.prompt)
                     for p in load_prompts(ds, args.limit)] for ds in datasets}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,8 @@ from vllm_dartree.reference.decoder import (
     DrafterSession,
     ReferenceDecoder,
     SamplingParams,
+    eos_token_ids,
+    load_drafter_for,
     method_config,
 )
 from vllm_dartree.reference.stats import format_summary, summarize
@@ -56,13 +58,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _eos_ids(model, tokenizer) -> tuple[int, ...]:
-    ids = {tokenizer.eos_token_id}
-    gen_eos = getattr(model.generation_config, "eos_token_id", None)
-    ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
-    return tuple(sorted(i for i in ids if i is not None))
-
-
 def main(argv: list[str] | None = None) -> None:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -77,19 +72,12 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    drafter = None
-    if args.drafter:
-        from vllm_dartree.drafter import TargetInfo, load_drafter
-        cfg = target.config
-        drafter = load_drafter(args.drafter, TargetInfo(cfg.hidden_size, cfg.vocab_size,
-                                                        cfg.num_hidden_layers),
-                               target.get_input_embeddings().weight,
-                               target.get_output_embeddings().weight, dtype=dtype)
+    drafter = load_drafter_for(target, args.drafter, dtype) if args.drafter else None
     _, prompts = read_prompt_ids(args.prompts, tokenizer, not args.no_chat_template,
                                  args.limit)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            eos_token_ids=_eos_ids(target, tokenizer))
+                            eos_token_ids=eos_token_ids(target, tokenizer))
     saved = open(args.save_outputs, "w") if args.save_outputs else None
     summaries = {}
     for method, config in configs.items():

@@ -31,7 +31,7 @@ from vllm_dartree.tree import (
 )
 
 __all__ = ["METHODS", "method_config", "DraftModel", "DrafterSession", "ReferenceDecoder",
-           "SamplingParams", "compact_cache"]
+           "SamplingParams", "compact_cache", "load_drafter_for", "eos_token_ids"]
 
 METHODS: dict[str, DARTreeConfig | None] = {
     "ar": None,
@@ -90,6 +90,25 @@ class DrafterSession:
     def draft(self, root: int) -> DraftOutput:
         device = self.drafter.backbone.embed_weight.device
         return self.drafter.backbone(self.cache, [0], torch.tensor([root], device=device))
+
+
+def load_drafter_for(target: torch.nn.Module, folder, dtype: torch.dtype | None = None):
+    """The drafter in `folder`, checked against and sharing the embeddings / lm_head of a
+    transformers target model."""
+    from vllm_dartree.drafter import TargetInfo, load_drafter
+    cfg = target.config
+    return load_drafter(folder, TargetInfo(cfg.hidden_size, cfg.vocab_size,
+                                           cfg.num_hidden_layers),
+                        target.get_input_embeddings().weight,
+                        target.get_output_embeddings().weight, dtype=dtype)
+
+
+def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
+    """The tokenizer's EOS and the generation config's EOS ids, sorted."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    return tuple(sorted(i for i in ids if i is not None))
 
 
 def compact_cache(cache, start: int, keep: torch.Tensor) -> None:
