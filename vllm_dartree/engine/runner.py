@@ -38,10 +38,9 @@ import torch
 from vllm_dartree import ops
 from vllm_dartree.engine.settings import EngineSettings
 from vllm_dartree.tree import TreeBatch
-from vllm_dartree.tree.structure import mask_to_bitmask
 from vllm_dartree.tree.verify import sample_target_tokens, walk
 
-__all__ = ["DARTreeRunnerMixin", "needs_full_sampler"]
+__all__ = ["DARTreeRunnerMixin", "needs_full_sampler", "tree_rows"]
 
 logger = logging.getLogger("vllm.dartree")
 
@@ -56,6 +55,42 @@ def needs_full_sampler(sp) -> bool:
         or sp.min_p or sp.bad_words or sp.logit_bias or sp.allowed_token_ids
         or (sp.min_tokens and (sp.all_stop_token_ids or sp.stop_token_ids))
         or sp.structured_outputs is not None)
+
+
+def tree_rows(trees: list[tuple[torch.Tensor, torch.Tensor] | None], starts: np.ndarray,
+              rows: np.ndarray, p0: np.ndarray, device: torch.device | str,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """One step's tree inputs for the whole batch, built on `device` in one pass.
+
+    trees[i]: request i's (parents [n], depths [n]) when its rows are `[root] + n nodes`
+    (None: causal rows); starts / rows / p0: its first flattened row, its row count and its
+    root's position. Returns (tree_mask [R, Qmax, ceil(Qmax / 32)] int32, the ancestor
+    bitmask of every tree request's window and zeros elsewhere; index [M] and positions
+    [M] int64, the flattened node rows and their positions p0 + depth, for an in-place
+    `positions.index_copy_`), or None when no request has a tree. One host -> device copy
+    and one mask launch (`ops.ancestor_bitmask`, Triton on CUDA); nothing is read back.
+    """
+    ids = [i for i, t in enumerate(trees) if t is not None]
+    if not ids:
+        return None
+    counts = [int(trees[i][0].shape[0]) for i in ids]
+    width = max(counts)
+    parents = torch.full((len(ids), width), -1, dtype=torch.int64)
+    index_parts, position_parts = [], []
+    for j, (i, n) in enumerate(zip(ids, counts)):
+        tree_parents, tree_depths = trees[i]
+        parents[j, :n] = tree_parents.cpu()
+        index_parts.append(int(starts[i]) + 1 + torch.arange(n))
+        position_parts.append(int(p0[i]) + tree_depths.cpu().long())
+    live = torch.arange(1 + width)[None, :] <= torch.tensor(counts)[:, None]   # [Rt, 1 + W]
+    q_max = int(np.max(rows))
+    words = (q_max + 31) // 32
+    host = (parents, live, torch.tensor(ids), torch.cat(index_parts), torch.cat(position_parts))
+    parents, live, ids_t, index, positions = (t.to(device, non_blocking=True) for t in host)
+    bits = ops.ancestor_bitmask(parents)                               # [Rt, 1 + W, words_W]
+    mask = torch.zeros(len(trees), q_max, words, dtype=torch.int32, device=device)
+    mask[ids_t, :1 + width, :bits.shape[-1]] = bits * live[..., None]
+    return mask, index, positions
 
 
 @dataclass
@@ -165,18 +200,11 @@ class DARTreeRunnerMixin:
                          if match else None)
         step = _Step(req_ids, starts, rows, p0, drafts, trees)
         step.is_tree = [t is not None for t in trees]
-        if any(step.is_tree):
-            q_max = int(rows.max())
-            words = (q_max + 31) // 32
-            step.tree_mask = torch.zeros(num_reqs, q_max, words, dtype=torch.int32)
-            for i, tree in enumerate(trees):
-                if tree is None:
-                    continue
-                n = len(tree.tokens)
-                first = int(starts[i]) + 1
-                self.positions[first:first + n] = int(p0[i]) + tree.depths.to(self.positions)
-                mask = ops.ancestor_mask(tree.parents[None])                 # [1, 1+n, 1+n]
-                step.tree_mask[i, :n + 1, :(n + 32) // 32] = mask_to_bitmask(mask)[0]
+        inputs = tree_rows([(t.parents, t.depths) if t is not None else None for t in trees],
+                           starts, rows, p0, self.positions.device)
+        if inputs is not None:
+            step.tree_mask, index, positions = inputs
+            self.positions.index_copy_(0, index, positions)   # in place: p0 + depth
         self._dt_step = step
         return result
 
@@ -188,10 +216,12 @@ class DARTreeRunnerMixin:
         groups = metadata if isinstance(metadata, list) else [metadata]
         for group in groups:
             for md in (group or {}).values():
-                if hasattr(md, "is_tree"):
+                if hasattr(md, "attach_trees"):
                     fresh = step is not None and len(md.seq_lens) >= len(step.req_ids)
-                    md.is_tree = step.is_tree if fresh and step.tree_mask is not None else None
-                    md.tree_mask = step.tree_mask if md.is_tree is not None else None
+                    if fresh and step.tree_mask is not None:
+                        md.attach_trees(step.is_tree, step.tree_mask)
+                    else:
+                        md.attach_trees(None, None)
         return result
 
     # -- 4. the tree walk ----------------------------------------------------------------
@@ -303,7 +333,7 @@ class DARTreeRunnerMixin:
             self._dt_copy_slots(src_slots, dst_slots)
 
     def _dt_copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        from vllm_dartree.engine.cpu_attention import copy_slots
+        from vllm_dartree.engine.attention import copy_slots
         seen = set()
         for kv in self.kv_caches:
             if kv is None or kv.data_ptr() in seen:
