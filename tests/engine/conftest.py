@@ -38,8 +38,10 @@ def dartree_spec(drafter, **overrides):
     return {"method": "dartree", "model": str(drafter), **TREE, **overrides}
 
 
-def run_job(tmp_path, engine: dict, batches: list[dict], timeout: int = 900) -> dict:
-    """Run one engine over `batches` in a fresh process; returns llm_job.py's JSON."""
+def run_job(tmp_path, engine: dict, batches: list[dict], timeout: int = 900,
+            env: dict | None = None) -> dict:
+    """Run one engine over `batches` in a fresh process (extra environment `env`);
+    returns llm_job.py's JSON."""
     job, out = tmp_path / "job.json", tmp_path / "out.json"
     for i in range(1000):
         job, out = tmp_path / f"job{i}.json", tmp_path / f"out{i}.json"
@@ -47,7 +49,7 @@ def run_job(tmp_path, engine: dict, batches: list[dict], timeout: int = 900) -> 
             break
     job.write_text(json.dumps({"engine": engine, "batches": batches}))
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
+               TOKENIZERS_PARALLELISM="false", **(env or {}))
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run([sys.executable, str(JOB), str(job), str(out)], env=env,
                           capture_output=True, text=True, timeout=timeout)

@@ -128,10 +128,13 @@ def test_baseline_builders_equal_plain(tiny, plain, prompts, builder, tmp_path):
     _assert_same(_tokens(got["batches"][0]), _tokens(plain["batches"][0]), builder)
 
 
-def test_oracle_drafter_reaches_full_depth(tiny, plain, oracle_prompts, tmp_path):
+@pytest.mark.parametrize("attention", ["sdpa", "paged"])
+def test_oracle_drafter_reaches_full_depth(tiny, plain, oracle_prompts, tmp_path, attention):
     """A drafter whose tree holds the target's greedy continuation: every round accepts
     ORACLE_DEPTH nodes in vLLM's own counters (positions, masks and compaction are right),
-    and stop tokens / max_tokens that fall inside accepted paths end requests exactly."""
+    and stop tokens / max_tokens that fall inside accepted paths end requests exactly.
+    `paged`: the same with the GPU backend's metadata builder and impl (device-side tree
+    inputs, vLLM's KV tensor read through the paged kernel's torch reference)."""
     table = [[p, out["tokens"]] for p, out in zip(oracle_prompts, plain["batches"][1])]
     oracle = tmp_path / "oracle.json"
     oracle.write_text(json.dumps({"depth": ORACLE_DEPTH, "layer_ids": [1, 3],
@@ -143,7 +146,8 @@ def test_oracle_drafter_reaches_full_depth(tiny, plain, oracle_prompts, tmp_path
                         budget=2 * ORACLE_DEPTH)
     got = run_job(tmp_path, engine_kwargs(tiny["target"], max_num_seqs=4,
                                           speculative_config=spec),
-                  [{"prompts": oracle_prompts, "params": params}])
+                  [{"prompts": oracle_prompts, "params": params}],
+                  env={"VLLM_DARTREE_CPU_ATTENTION": attention})
     want = []
     for (prompt, full), p in zip(table, params):
         out = full[:p["max_tokens"]]

@@ -6,7 +6,8 @@ the target's features of those tokens; `length(rid)` is therefore the position o
 request's next root, which the runner checks before every draft.
 
 - `CheckpointTreeDrafter`: a released or trained checkpoint (DFlash / Domino / DSpark) and
-  the tree builder of the DARTreeConfig (`vllm_dartree.tree.build_tree`).
+  the tree builder of the DARTreeConfig (`vllm_dartree.tree.build_tree`, replayed from CUDA
+  graphs per batch-size bucket on GPU: `vllm_dartree.tree.graphs`).
 - `OracleTreeDrafter`: knows the target's greedy continuations (a JSON file written by the
   tests), so a correct engine accepts every depth: tau = depth + 1 proves positions, masks
   and KV compaction inside vLLM. Selected with `drafter_class`.
@@ -22,7 +23,8 @@ import torch
 
 from vllm_dartree.config import DARTreeConfig
 from vllm_dartree.drafter import ContextCache, Drafter
-from vllm_dartree.tree import TreeBatch, build_tree
+from vllm_dartree.tree import TreeBatch
+from vllm_dartree.tree.graphs import GraphedTreeBuilder
 
 __all__ = ["TreeDrafter", "CheckpointTreeDrafter", "OracleTreeDrafter"]
 
@@ -43,10 +45,13 @@ class TreeDrafter(Protocol):
 
 
 class CheckpointTreeDrafter:
-    def __init__(self, config: DARTreeConfig, drafter: Drafter):
+    def __init__(self, config: DARTreeConfig, drafter: Drafter, cuda_graphs: bool = True):
         self.config, self.drafter = config, drafter
         self.layer_ids = tuple(drafter.spec.target_layer_ids)
         self.cache = ContextCache()
+        # construction from CUDA graphs on CUDA tensors (eager on CPU or with cuda_graphs off)
+        self.builder = GraphedTreeBuilder(config, drafter.head,
+                                          use_graphs=None if cuda_graphs else False)
 
     def length(self, rid: Hashable) -> int:
         return self.cache.length(rid)
@@ -62,7 +67,7 @@ class CheckpointTreeDrafter:
 
     def draft(self, rids, roots: torch.Tensor) -> TreeBatch:
         out = self.drafter.backbone(self.cache, list(rids), roots)
-        return build_tree(self.config, out.base_logits, out.hidden, roots, self.drafter.head)
+        return self.builder(out.base_logits, out.hidden, roots)[0]
 
 
 class OracleTreeDrafter:

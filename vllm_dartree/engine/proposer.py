@@ -53,7 +53,9 @@ class DARTreeProposer:
         embed, head = target_weights(target, text.vocab_size)
         drafter = load_drafter(settings.drafter, info, embed, head,
                                dtype=self.vllm_config.model_config.dtype)
-        self.tree_drafter = CheckpointTreeDrafter(settings.config, drafter)
+        self.tree_drafter = CheckpointTreeDrafter(
+            settings.config, drafter,
+            cuda_graphs=not self.vllm_config.model_config.enforce_eager)
 
     def propose(self, *args, **kwargs):
         raise RuntimeError("DARTreeProposer.propose was called: the dartree runner is not "

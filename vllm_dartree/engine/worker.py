@@ -4,6 +4,9 @@ name travels in the pickled config, so this works with the engine in its own pro
 
 from __future__ import annotations
 
+import os
+
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.worker import cpu_worker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -13,10 +16,31 @@ from vllm_dartree.engine.runner import DARTreeRunnerMixin
 __all__ = ["DARTreeCPUModelRunner", "DARTreeCPUWorker", "install_cpu_attention"]
 
 CPU_BACKEND = "vllm_dartree.engine.cpu_attention.DARTreeCPUAttentionBackend"
+# VLLM_DARTREE_CPU_ATTENTION: "sdpa" (default, the CPU backend) or "paged": the GPU
+# backend's metadata builder and impl on CPU (kernel: the torch reference), to check the
+# GPU path's engine code inside a real vLLM engine on a machine without a GPU.
+CPU_BACKENDS = {"sdpa": CPU_BACKEND, "paged": "vllm_dartree.engine.worker.DARTreePagedCPUBackend"}
 
 
 class DARTreeCPUModelRunner(DARTreeRunnerMixin, CPUModelRunner):
     pass
+
+
+class DARTreePagedCPUBackend(CPUAttentionBackend):
+    """The GPU backend's builder and impl in vLLM's CPU_ATTN slot (a CPUAttentionBackend
+    subclass, so the CPU runner's checks hold); slow, for tests."""
+
+    supported_kv_cache_dtypes = ["auto"]
+
+    @staticmethod
+    def get_impl_cls():
+        from vllm_dartree.engine.gpu_attention import DARTreeGPUAttentionImpl
+        return DARTreeGPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        from vllm_dartree.engine.gpu_attention import DARTreeGPUMetadataBuilder
+        return DARTreeGPUMetadataBuilder
 
 
 def install_cpu_attention() -> None:
@@ -24,7 +48,11 @@ def install_cpu_attention() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.attention.selector import _cached_get_attn_backend
 
-    register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
+    choice = os.environ.get("VLLM_DARTREE_CPU_ATTENTION", "sdpa")
+    if choice not in CPU_BACKENDS:
+        raise ValueError(f"VLLM_DARTREE_CPU_ATTENTION={choice!r}: use one of "
+                         f"{sorted(CPU_BACKENDS)}")
+    register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKENDS[choice])
     _cached_get_attn_backend.cache_clear()
 
 
