@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo tree-demo tau bench install clean
+.PHONY: test demo tree-demo tau bench gpu-check install clean
 
 install: $(STAMP)
 
@@ -35,6 +35,11 @@ tree-demo: $(STAMP)
 # The Table-1-style tau table in the reference decoder (about 17 minutes with the defaults).
 tau: $(STAMP)
 	$(PY) -m vllm_dartree.bench.tau
+
+# The prepared check for a lent GPU (kernel error and speed, round latency, CUDA graphs);
+# writes $$OUT/gpu_check.json (default ./gpu_check_out). No GPU: add SMOKE=--smoke.
+gpu-check:
+	TRITON_INTERPRET=$(if $(SMOKE),1,0) python examples/gpu_check.py $(SMOKE)
 
 bench: $(STAMP)
 	$(PY) -m vllm_dartree.bench.construction

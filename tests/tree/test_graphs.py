@@ -96,3 +96,36 @@ def test_cuda_graph_replay_equals_eager():
         with torch.no_grad():
             _assert_same(got, build_tree(config, logits, hidden, roots, head))
     assert builder.replays == 3
+
+
+@pytest.mark.parametrize("config", CONFIGS[:3], ids=["pruned", "fixed", "ddtree"])
+def test_graphed_round_walk_equals_the_brute_force_walk(config):
+    """A whole device round on bucketed static shapes: construction, the bitmask built in the
+    same replay, the greedy walk on it; accepted paths equal a brute-force oracle's."""
+    from tests.tree.test_verify import _brute_force_walk
+    from vllm_dartree.tree import bitmask_to_mask, greedy_walk
+
+    gen = torch.Generator().manual_seed(9)
+    head = _head("gru", gen)
+    builder = GraphedTreeBuilder(config, head, buckets=(8,), use_graphs=False, pad=True,
+                                 with_mask=True)
+    logits, hidden, roots = _round(5, gen)
+    tree, bits = builder(logits, hidden, roots)
+    n = tree.max_nodes
+    mask = torch.stack([bitmask_to_mask(bits[r], 1 + n) for r in range(5)])
+    # a target that agrees with the drafter's best path for a few depths, then not
+    target_logits = torch.randn(5, 1 + n, V, generator=gen)
+    for r in range(5):
+        i = 0
+        for node in range(n):
+            if int(tree.parents[r, node]) == i - 1 and int(tree.depths[r, node]) <= 3:
+                target_logits[r, i, tree.tokens[r, node]] += 100.0
+                i = node + 1
+    result = greedy_walk(tree, target_logits, mask)
+    targets = target_logits.argmax(-1)
+    for r in range(5):
+        want = _brute_force_walk(tree, r, targets[r].tolist())
+        got = tuple(result.accepted_nodes[r, :int(result.num_accepted[r])].tolist())
+        assert got == want
+    # the walk went as deep as the trees allow (up to the 3 depths the target agrees on)
+    assert int(result.num_accepted.max()) >= min(2, int(tree.depths.max()))

@@ -24,7 +24,7 @@ import torch
 from vllm_dartree.config import DARTreeConfig
 from vllm_dartree.drafter import ContextCache, Drafter
 from vllm_dartree.tree import TreeBatch
-from vllm_dartree.tree.graphs import GraphedTreeBuilder
+from vllm_dartree.tree.graphs import DEFAULT_BUCKETS, GraphedTreeBuilder
 
 __all__ = ["TreeDrafter", "CheckpointTreeDrafter", "OracleTreeDrafter"]
 
@@ -45,12 +45,17 @@ class TreeDrafter(Protocol):
 
 
 class CheckpointTreeDrafter:
-    def __init__(self, config: DARTreeConfig, drafter: Drafter, cuda_graphs: bool = True):
+    def __init__(self, config: DARTreeConfig, drafter: Drafter, cuda_graphs: bool = True,
+                 max_batch: int | None = None):
         self.config, self.drafter = config, drafter
         self.layer_ids = tuple(drafter.spec.target_layer_ids)
         self.cache = ContextCache()
-        # construction from CUDA graphs on CUDA tensors (eager on CPU or with cuda_graphs off)
-        self.builder = GraphedTreeBuilder(config, drafter.head,
+        # construction from CUDA graphs on CUDA tensors (eager on CPU or with cuda_graphs
+        # off); buckets up to the engine's max_num_seqs, so no graph is wider than a batch
+        buckets = DEFAULT_BUCKETS
+        if max_batch is not None:
+            buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_batch) + (max_batch,)
+        self.builder = GraphedTreeBuilder(config, drafter.head, buckets=buckets,
                                           use_graphs=None if cuda_graphs else False)
 
     def length(self, rid: Hashable) -> int:

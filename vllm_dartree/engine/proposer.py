@@ -55,7 +55,8 @@ class DARTreeProposer:
                                dtype=self.vllm_config.model_config.dtype)
         self.tree_drafter = CheckpointTreeDrafter(
             settings.config, drafter,
-            cuda_graphs=not self.vllm_config.model_config.enforce_eager)
+            cuda_graphs=not self.vllm_config.model_config.enforce_eager,
+            max_batch=self.vllm_config.scheduler_config.max_num_seqs)
 
     def propose(self, *args, **kwargs):
         raise RuntimeError("DARTreeProposer.propose was called: the dartree runner is not "
