@@ -135,3 +135,15 @@ def test_unsupported_markov_variant(tmp_path, tiny_target, drafter_folders):
                           lambda c: c.__setitem__("markov_head_type", "gated"))
     with pytest.raises(NotImplementedError, match="markov_head_type = 'gated'"):
         tiny_target.load(folder)
+
+
+def test_drafter_weights_follow_the_target_device(tiny_target, drafter_folders):
+    """The drafter's own weights go where the target's shared embedding lives (on a GPU:
+    cuda; here the meta device stands in for "not the CPU")."""
+    embed = tiny_target.model.model.embed_tokens.weight.detach().to("meta")
+    head = tiny_target.model.lm_head.weight.detach().to("meta")
+    drafter = load_drafter(drafter_folders["domino"], tiny_target.info, embed, head,
+                           dtype=torch.bfloat16)
+    params = list(drafter.backbone.parameters()) + list(drafter.head.parameters())
+    assert params and all(p.device.type == "meta" for p in params)
+    assert all(p.dtype == torch.bfloat16 for p in params)

@@ -135,7 +135,8 @@ def check_drafter_folder(folder: str | Path, target: TargetInfo) -> DrafterSpec:
 
 def load_drafter(folder: str | Path, target: TargetInfo, embed_weight: torch.Tensor,
                  lm_head_weight: torch.Tensor, dtype: torch.dtype | None = None) -> Drafter:
-    """Build and fill a drafter from `folder`; embed/lm_head weights are the target's."""
+    """Build and fill a drafter from `folder`; embed/lm_head weights are the target's, and
+    the drafter's own weights go to their device (in `dtype`, default theirs)."""
     folder = Path(folder)
     spec = check_drafter_folder(folder, target)
     for name, w, shape in (("embed_tokens", embed_weight, (target.vocab_size, target.hidden_size)),
@@ -169,6 +170,6 @@ def load_drafter(folder: str | Path, target: TargetInfo, embed_weight: torch.Ten
                               f"{' ...' if len(missing) > 6 else ''} for a {spec.format} drafter")
     dtype = dtype or embed_weight.dtype
     for module in (drafter.backbone, drafter.head, drafter.confidence_head):
-        if module is not None:
-            module.to(dtype).eval()
+        if module is not None:   # on the target's device (its shared weights live there)
+            module.to(device=embed_weight.device, dtype=dtype).eval()
     return drafter

@@ -305,9 +305,10 @@ class DARTreeRunnerMixin:
                 continue   # greedy, or no tree (vLLM's sampler draws that request's token)
             lo, hi = int(offsets[i]), int(offsets[i]) + len(step.drafts[i]) + 1
             top_k = sp.top_k if sp.top_k and sp.top_k > 0 else 0
+            dev = logits.device
             tokens[lo:hi] = sample_target_tokens(
-                logits[lo:hi][None], torch.tensor([float(sp.temperature)]),
-                torch.tensor([top_k]), torch.tensor([float(sp.top_p)]),
+                logits[lo:hi][None], torch.tensor([float(sp.temperature)], device=dev),
+                torch.tensor([top_k], device=dev), torch.tensor([float(sp.top_p)], device=dev),
                 [generators.get(i)])[0]
         return tokens
 
