@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo tree-demo tau bench gpu-check install clean
+.PHONY: test demo tree-demo tau bench gpu-check gpu-deps install clean
 
 install: $(STAMP)
 
@@ -40,6 +40,11 @@ tau: $(STAMP)
 # writes $$OUT/gpu_check.json (default ./gpu_check_out). No GPU: add SMOKE=--smoke.
 gpu-check:
 	TRITON_INTERPRET=$(if $(SMOKE),1,0) python examples/gpu_check.py $(SMOKE)
+
+# pydantic's wheels for CPython 3.10-3.13 (x86_64), for a GPU machine without network.
+gpu-deps:
+	for v in 3.10 3.11 3.12 3.13; do $(PY) -m pip download -q --only-binary=:all: \
+	  --python-version $$v --platform manylinux2014_x86_64 -d gpu_deps pydantic || exit 1; done
 
 bench: $(STAMP)
 	$(PY) -m vllm_dartree.bench.construction

@@ -5,7 +5,8 @@ round's latency (eager vs CUDA graph vs the sequential heap), in at most a few m
     TRITON_INTERPRET=1 python examples/gpu_check.py --smoke   # tiny shapes on CPU, to test
 
 Runs from a plain checkout (no install): the repository root goes on sys.path and
-`csrc_triton` is aliased as `vllm_dartree.csrc_triton`. Needs torch, triton and pydantic.
+`csrc_triton` is aliased as `vllm_dartree.csrc_triton`. Needs torch, triton and pydantic
+(installed, if missing, from the wheels of `make gpu-deps` in gpu_deps/, into a temp dir).
 (a) kernel vs torch reference, relative error (bf16, fp16; heads 64 and 128); (b) time of the
 kernel on tree rows vs the same kernel on causal rows vs SDPA causal (lower-right, PyTorch's
 flash/efficient kernels) vs SDPA with an explicit mask, at Qwen3-4B shapes (32 query / 8 KV
@@ -28,6 +29,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+
+def _ensure_pydantic() -> None:
+    """vllm_dartree's config needs pydantic; a bare GPU machine may lack it and cannot
+    download. `make gpu-deps` puts its wheels (CPython 3.10-3.13) in gpu_deps/ to carry."""
+    try:
+        import pydantic  # noqa: F401
+        return
+    except ImportError:
+        pass
+    wheels, site = ROOT / "gpu_deps", Path(os.environ.get("TMPDIR", "/tmp")) / "gpu_check_site"
+    if not wheels.is_dir():
+        sys.exit("pydantic is not installed: run `make gpu-deps` and bring gpu_deps/ along")
+    import subprocess
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links",
+                    str(wheels), "--target", str(site), "pydantic"], check=True)
+    sys.path.insert(0, str(site))
+
+
+_ensure_pydantic()
 
 import torch  # noqa: E402
 
