@@ -13,9 +13,10 @@ and KV compaction (`copy_slots`) is the same device copy on both.
 from __future__ import annotations
 
 import torch
-from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
-__all__ = ["kv_views", "copy_slots", "write_slots", "unsupported_features"]
+__all__ = ["kv_views", "copy_slots", "write_slots", "unsupported_features",
+           "TreeAttentionImplBase"]
 
 
 def kv_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,3 +69,46 @@ def unsupported_features(alibi_slopes, sliding_window, kv_cache_dtype, logits_so
     if attn_type != AttentionType.DECODER:
         problems.append(f"{attn_type} attention")
     return problems
+
+
+class TreeAttentionImplBase(AttentionImpl):
+    """vLLM's impl interface for both dartree backends: refuses what neither serves, and
+    hands `attend(q [T, NH, D], kv_cache, metadata, out [T, NH, D])` this step's rows."""
+
+    device_name = "?"    # for messages: "CPU" / "GPU"
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes, sliding_window, kv_cache_dtype: str,
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, sinks=None) -> None:
+        problems = unsupported_features(alibi_slopes, sliding_window, kv_cache_dtype,
+                                        logits_soft_cap, attn_type, sinks)
+        if problems:
+            raise NotImplementedError(f"dartree's {self.device_name} attention does not "
+                                      "support " + ", ".join(problems))
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.attn_type = attn_type
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata,
+               out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported")
+        if attn_metadata is None:   # profiling / warm-up
+            return output.fill_(0)
+        n = attn_metadata.num_actual_tokens
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        self.attend(q, kv_cache, attn_metadata, out)
+        return output
+
+    def _rows(self, key, value, slot_mapping):
+        n = slot_mapping.shape[0]
+        return (key[:n].reshape(n, self.num_kv_heads, self.head_size),
+                value[:n].reshape(n, self.num_kv_heads, self.head_size))

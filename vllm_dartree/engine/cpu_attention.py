@@ -19,10 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, AttentionType
+from vllm.v1.attention.backend import AttentionMetadataBuilder
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-from vllm_dartree.engine.attention import copy_slots, kv_views, unsupported_features, write_slots
+from vllm_dartree.engine.attention import (
+    TreeAttentionImplBase,
+    copy_slots,
+    kv_views,
+    write_slots,
+)
 from vllm_dartree.tree.structure import bitmask_to_mask
 
 __all__ = ["DARTreeCPUAttentionBackend", "DARTreeCPUAttentionImpl", "DARTreeCPUMetadata",
@@ -163,37 +168,14 @@ def tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, md: DARTreeCPUMe
         out[start:end] = attn.transpose(0, 1).to(out.dtype)
 
 
-class DARTreeCPUAttentionImpl(AttentionImpl):
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 alibi_slopes, sliding_window, kv_cache_dtype: str,
-                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
-                 kv_sharing_target_layer_name: str | None = None, sinks=None) -> None:
-        problems = unsupported_features(alibi_slopes, sliding_window, kv_cache_dtype,
-                                        logits_soft_cap, attn_type, sinks)
-        if problems:
-            raise NotImplementedError("dartree's CPU attention does not support "
-                                      + ", ".join(problems))
-        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
-        self.num_kv_heads = num_kv_heads
-        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.attn_type = attn_type
+class DARTreeCPUAttentionImpl(TreeAttentionImplBase):
+    device_name = "CPU"
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None):
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("fused output quantization is not supported")
-        if attn_metadata is None:   # profiling / warm-up
-            return output
-        n = attn_metadata.num_actual_tokens
-        q = query[:n].view(n, self.num_heads, self.head_size)
-        out = output[:n].view(n, self.num_heads, self.head_size)
+    def attend(self, q, kv_cache, attn_metadata, out) -> None:
         tree_attention(q, kv_cache, attn_metadata, self.scale, out)
-        return output
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        n = slot_mapping.shape[0]
-        write_slots(kv_cache, key[:n].reshape(n, self.num_kv_heads, self.head_size),
-                    value[:n].reshape(n, self.num_kv_heads, self.head_size), slot_mapping)
+        write_slots(kv_cache, *self._rows(key, value, slot_mapping), slot_mapping)
 
 
 class DARTreeCPUAttentionBackend(CPUAttentionBackend):

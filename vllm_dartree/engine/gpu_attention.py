@@ -25,16 +25,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from vllm.v1.attention.backend import (
-    AttentionBackend,
-    AttentionImpl,
-    AttentionMetadataBuilder,
-    AttentionType,
-)
+from vllm.v1.attention.backend import AttentionBackend, AttentionMetadataBuilder, AttentionType
 
 from vllm_dartree import ops
 from vllm_dartree.attention.paged import PagedBatch
-from vllm_dartree.engine.attention import kv_views, unsupported_features, write_slots
+from vllm_dartree.engine.attention import TreeAttentionImplBase, kv_views, write_slots
 
 __all__ = ["DARTreeGPUAttentionBackend", "DARTreeGPUAttentionImpl", "DARTreeGPUMetadata",
            "DARTreeGPUMetadataBuilder"]
@@ -90,40 +85,16 @@ class DARTreeGPUMetadataBuilder(AttentionMetadataBuilder[DARTreeGPUMetadata]):
             tree_mask=self._no_mask[:num_reqs])
 
 
-class DARTreeGPUAttentionImpl(AttentionImpl):
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 alibi_slopes, sliding_window, kv_cache_dtype: str,
-                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
-                 kv_sharing_target_layer_name: str | None = None, sinks=None) -> None:
-        problems = unsupported_features(alibi_slopes, sliding_window, kv_cache_dtype,
-                                        logits_soft_cap, attn_type, sinks)
-        if problems:
-            raise NotImplementedError("dartree's GPU attention does not support "
-                                      + ", ".join(problems))
-        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
-        self.num_kv_heads = num_kv_heads
-        self.kv_cache_dtype = kv_cache_dtype
-        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.attn_type = attn_type
+class DARTreeGPUAttentionImpl(TreeAttentionImplBase):
+    device_name = "GPU"
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None):
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("fused output quantization is not supported")
-        if attn_metadata is None:   # profiling / warm-up
-            return output.fill_(0)
-        n = attn_metadata.num_actual_tokens
-        q = query[:n].view(n, self.num_heads, self.head_size)
-        out = output[:n].view(n, self.num_heads, self.head_size)
+    def attend(self, q, kv_cache, attn_metadata, out) -> None:
         k_cache, v_cache = kv_views(kv_cache, self.head_size)
         ops.paged_attention(q, k_cache, v_cache, attn_metadata.paged_batch(), self.scale,
                             attn_metadata.max_query_len, out=out)
-        return output
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        n = slot_mapping.shape[0]
-        key = key[:n].reshape(n, self.num_kv_heads, self.head_size)
-        value = value[:n].reshape(n, self.num_kv_heads, self.head_size)
+        key, value = self._rows(key, value, slot_mapping)
         if ops.use_triton(kv_cache):   # vLLM's own cache write: skips -1 slots on the device
             from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
                 triton_reshape_and_cache_flash,

@@ -11,6 +11,7 @@ from vllm.v1.worker import cpu_worker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from vllm_dartree.engine.gpu_attention import DARTreeGPUAttentionBackend
 from vllm_dartree.engine.runner import DARTreeRunnerMixin
 
 __all__ = ["DARTreeCPUModelRunner", "DARTreeCPUWorker", "install_cpu_attention"]
@@ -31,16 +32,8 @@ class DARTreePagedCPUBackend(CPUAttentionBackend):
     subclass, so the CPU runner's checks hold); slow, for tests."""
 
     supported_kv_cache_dtypes = ["auto"]
-
-    @staticmethod
-    def get_impl_cls():
-        from vllm_dartree.engine.gpu_attention import DARTreeGPUAttentionImpl
-        return DARTreeGPUAttentionImpl
-
-    @staticmethod
-    def get_builder_cls():
-        from vllm_dartree.engine.gpu_attention import DARTreeGPUMetadataBuilder
-        return DARTreeGPUMetadataBuilder
+    get_impl_cls = staticmethod(DARTreeGPUAttentionBackend.get_impl_cls)
+    get_builder_cls = staticmethod(DARTreeGPUAttentionBackend.get_builder_cls)
 
 
 def install_cpu_attention() -> None:
