@@ -62,7 +62,7 @@ from vllm_dartree.attention import PagedBatch, paged_attention_reference  # noqa
 from vllm_dartree.csrc_triton.tree_attention import tree_attention  # noqa: E402
 from vllm_dartree.drafter import DominoGRUHead  # noqa: E402
 from vllm_dartree.tree import ancestor_bitmask, ancestor_mask, build_tree, greedy_walk  # noqa: E402
-from vllm_dartree.tree.graphs import GraphedTreeBuilder  # noqa: E402
+from vllm_dartree.tree.graphs import GraphedTreeBuilder, capture_graph  # noqa: E402
 
 
 def _timer(device):
@@ -180,15 +180,7 @@ def time_round(batches, device, dtype, shapes, repeats) -> list[dict]:
             graph_ms, graph_err = None, None
             if device.type == "cuda":
                 try:
-                    stream = torch.cuda.Stream()
-                    stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(stream):
-                        for _ in range(3):
-                            one_round()
-                    torch.cuda.current_stream().wait_stream(stream)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        one_round()
+                    graph, _ = capture_graph(one_round, device)
                     graph_ms = timer(graph.replay, repeats)
                 except Exception as err:  # noqa: BLE001 - recorded, not hidden
                     graph_err = repr(err)[:300]

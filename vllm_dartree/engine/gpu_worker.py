@@ -8,7 +8,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_dartree.engine.plugin import GPU_BACKEND
-from vllm_dartree.engine.runner import DARTreeRunnerMixin
+from vllm_dartree.engine.runner import DARTreeRunnerMixin, DARTreeWorkerMixin
 
 __all__ = ["DARTreeGPUModelRunner", "DARTreeGPUWorker", "install_gpu_attention"]
 
@@ -26,7 +26,7 @@ def install_gpu_attention() -> None:
     _cached_get_attn_backend.cache_clear()
 
 
-class DARTreeGPUWorker(Worker):
+class DARTreeGPUWorker(DARTreeWorkerMixin, Worker):
     def init_device(self):
         install_gpu_attention()
         return super().init_device()
@@ -36,10 +36,3 @@ class DARTreeGPUWorker(Worker):
             raise RuntimeError("dartree runs on vLLM's V1 model runner: unset "
                                "VLLM_USE_V2_MODEL_RUNNER")
         return DARTreeGPUModelRunner(self.vllm_config, self.device)
-
-    def dartree_seconds(self, reset: bool = False) -> dict[str, float]:
-        """Seconds spent per stage in this worker (`LLM.collective_rpc("dartree_seconds")`)."""
-        seconds = dict(self.model_runner.dartree_seconds)
-        if reset:
-            self.model_runner.dartree_seconds.clear()
-        return seconds

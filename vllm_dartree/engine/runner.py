@@ -40,7 +40,7 @@ from vllm_dartree.engine.settings import EngineSettings
 from vllm_dartree.tree import TreeBatch
 from vllm_dartree.tree.verify import sample_target_tokens, walk
 
-__all__ = ["DARTreeRunnerMixin", "needs_full_sampler", "tree_rows"]
+__all__ = ["DARTreeRunnerMixin", "DARTreeWorkerMixin", "needs_full_sampler", "tree_rows"]
 
 logger = logging.getLogger("vllm.dartree")
 
@@ -401,3 +401,14 @@ class DARTreeRunnerMixin:
                                               depths[j, :n].clone())
             out[i] = draft
         return out
+
+
+class DARTreeWorkerMixin:
+    """What both dartree workers (CPU, GPU) add to vLLM's: per-stage timings of the runner."""
+
+    def dartree_seconds(self, reset: bool = False) -> dict[str, float]:
+        """Seconds spent per stage in this worker (`LLM.collective_rpc("dartree_seconds")`)."""
+        seconds = dict(self.model_runner.dartree_seconds)
+        if reset:
+            self.model_runner.dartree_seconds.clear()
+        return seconds

@@ -12,7 +12,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_dartree.engine.gpu_attention import DARTreeGPUAttentionBackend
-from vllm_dartree.engine.runner import DARTreeRunnerMixin
+from vllm_dartree.engine.runner import DARTreeRunnerMixin, DARTreeWorkerMixin
 
 __all__ = ["DARTreeCPUModelRunner", "DARTreeCPUWorker", "install_cpu_attention"]
 
@@ -49,7 +49,7 @@ def install_cpu_attention() -> None:
     _cached_get_attn_backend.cache_clear()
 
 
-class DARTreeCPUWorker(CPUWorker):
+class DARTreeCPUWorker(DARTreeWorkerMixin, CPUWorker):
     def init_device(self):
         install_cpu_attention()
         stock = cpu_worker.CPUModelRunner
@@ -58,10 +58,3 @@ class DARTreeCPUWorker(CPUWorker):
             return super().init_device()
         finally:
             cpu_worker.CPUModelRunner = stock
-
-    def dartree_seconds(self, reset: bool = False) -> dict[str, float]:
-        """Seconds spent per stage in this worker (`LLM.collective_rpc("dartree_seconds")`)."""
-        seconds = dict(self.model_runner.dartree_seconds)
-        if reset:
-            self.model_runner.dartree_seconds.clear()
-        return seconds

@@ -26,9 +26,25 @@ from vllm_dartree.tree.construct import build_tree
 from vllm_dartree.tree.heads import CorrectionHead
 from vllm_dartree.tree.structure import TreeBatch
 
-__all__ = ["GraphedTreeBuilder", "DEFAULT_BUCKETS"]
+__all__ = ["GraphedTreeBuilder", "DEFAULT_BUCKETS", "capture_graph"]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def capture_graph(fn, device: torch.device, pool=None, warmup: int = 2):
+    """Capture `fn()` (static inputs it closes over) in a CUDA graph: a few warm-up calls on
+    a side stream (allocator, cuBLAS handles, Triton compiles), then the capture. Returns
+    (graph, fn's outputs, which every `graph.replay()` rewrites in place)."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 
 @dataclass
@@ -47,7 +63,7 @@ class GraphedTreeBuilder:
 
     def __init__(self, config: DARTreeConfig, head: CorrectionHead | None,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, use_graphs: bool | None = None,
-                 with_mask: bool = False, pad: bool | None = None):
+                 with_mask: bool = False, pad: bool = False):
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets {buckets} must be increasing positive batch sizes")
         self.config, self.head, self.buckets = config, head, tuple(buckets)
@@ -72,7 +88,7 @@ class GraphedTreeBuilder:
         graphs = logits.is_cuda if self.use_graphs is None else self.use_graphs
         if graphs and not logits.is_cuda:
             raise ValueError("CUDA graphs need CUDA tensors (use_graphs=False on CPU)")
-        pad = graphs or bool(self.pad)
+        pad = graphs or self.pad
         size = self.bucket(logits.shape[0]) if pad else None
         if size is None:
             return self._round(logits, hidden, roots)
@@ -107,15 +123,8 @@ class GraphedTreeBuilder:
         s_hidden = None if hidden is None else static(hidden)
         if not graphs:
             return _Captured(s_logits, s_hidden, s_roots, None, None, None)
-        side = torch.cuda.Stream(device=logits.device)
-        side.wait_stream(torch.cuda.current_stream(logits.device))
-        with torch.cuda.stream(side):           # warm-up: allocator, cuBLAS, Triton compiles
-            for _ in range(2):
-                self._round(s_logits, s_hidden, s_roots)
-        torch.cuda.current_stream(logits.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            tree, mask = self._round(s_logits, s_hidden, s_roots)
+        graph, (tree, mask) = capture_graph(lambda: self._round(s_logits, s_hidden, s_roots),
+                                            logits.device, self._pool)
         return _Captured(s_logits, s_hidden, s_roots, tree, mask, graph)
