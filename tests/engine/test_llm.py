@@ -120,12 +120,15 @@ def test_dartree_greedy_equals_plain_one_seq_and_matches_reference(tiny, plain, 
         assert res["spec"]["per_step_accepted"] == [r.accepted for r in ref.rounds]
 
 
-@pytest.mark.parametrize("builder", ["ddtree", "chain"])
-def test_baseline_builders_equal_plain(tiny, plain, prompts, builder, tmp_path):
-    engine = engine_kwargs(tiny["target"], **BATCHED,
-                           speculative_config=dartree_spec(tiny["drafter"], builder=builder))
+@pytest.mark.parametrize("builder,budget", [("ddtree", TREE["budget"]), ("chain", 6)])
+def test_baseline_builders_equal_plain(tiny, plain, prompts, builder, budget, tmp_path):
+    """The chain at a budget below the drafter's 16 depths: it is cut at the budget (it once
+    handed vLLM 16 drafts for 6 per-position counters and killed the engine)."""
+    spec = dartree_spec(tiny["drafter"], builder=builder, budget=budget)
+    engine = engine_kwargs(tiny["target"], **BATCHED, speculative_config=spec)
     got = run_job(tmp_path, engine, [{"prompts": prompts, "params": _greedy(prompts)}])
     _assert_same(_tokens(got["batches"][0]), _tokens(plain["batches"][0]), builder)
+    assert got["counters"]["vllm:spec_decode_num_drafts"] > 0
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "paged"])

@@ -8,6 +8,7 @@ from vllm_dartree import DARTreeConfig
 from vllm_dartree.tree import (
     MarkovToyHead,
     NoHead,
+    best_first_select,
     build_chain,
     build_dartree,
     build_ddtree,
@@ -102,3 +103,34 @@ def test_chain_ddtree(inputs):
     plain = build_tree(DARTreeConfig(builder="chain-ddtree", budget=budget, topk=k,
                                      correction=False), logits, None, roots, head)
     _same(plain, build_ddtree(candidate_tables(logits, k), roots, budget))
+
+
+BUILDERS = [dict(builder="dartree", variant="pruned"), dict(builder="dartree", variant="fixed"),
+            dict(builder="ddtree"), dict(builder="chain"), dict(builder="sequential-heap"),
+            dict(builder="chain-ddtree"), dict(builder="dartree", correction=False)]
+
+
+@pytest.mark.parametrize("keys", BUILDERS, ids=lambda k: "-".join(map(str, k.values())))
+def test_every_prefix_is_the_best_tree_of_its_size(inputs, keys):
+    """Best-first order: for every n <= B the first n nodes are the best-first selection of
+    n nodes of the tree (by score + beta * depth; plain score for DDTree's builders)."""
+    logits, roots, head = inputs
+    cfg = DARTreeConfig(budget=11, width=4, topk=6, **keys)
+    tree = build_tree(cfg, logits, None, roots, head)
+    assert_valid_tree(tree, 11, D)
+    beta = 0.0 if cfg.builder in ("ddtree", "chain-ddtree") else cfg.depth_bonus
+    for n in range(1, 12):
+        for r, chosen in enumerate(best_first_select(tree, n, beta)):
+            assert chosen == set(range(min(n, int(tree.num_nodes[r])))), (n, r)
+
+
+@pytest.mark.parametrize("keys", BUILDERS, ids=lambda k: "-".join(map(str, k.values())))
+@pytest.mark.parametrize("budget", [1, 3, D - 1])
+def test_every_builder_respects_a_budget_below_the_depth(inputs, keys, budget):
+    """No builder returns more than `budget` nodes, even when budget < the drafter's depth
+    (the chain once emitted one node per depth, which crashed vLLM's per-position counters)."""
+    logits, roots, head = inputs
+    tree = build_tree(DARTreeConfig(budget=budget, width=4, topk=6, **keys), logits, None,
+                      roots, head)
+    assert_valid_tree(tree, budget, D)
+    assert int(tree.num_nodes.max()) == budget

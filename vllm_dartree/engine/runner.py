@@ -392,8 +392,12 @@ class DARTreeRunnerMixin:
         trees = drafter.draft(rids, torch.tensor(roots, device=features.device))
         counts = trees.num_nodes.tolist()
         tokens, parents, depths = (trees.tokens.cpu(), trees.parents.cpu(), trees.depths.cpu())
+        # vLLM's per-position counters and rejection buffers hold num_speculative_tokens
+        # drafts: never hand the scheduler more (a prefix of a tree is a tree).
+        limit = int(getattr(self.speculative_config, "num_speculative_tokens", None)
+                    or self.dartree.config.budget)
         for j, (i, rid) in enumerate(zip(draft_rows, rids)):
-            n = int(counts[j])
+            n = min(int(counts[j]), limit)
             if n == 0:
                 continue
             draft = tokens[j, :n].tolist()

@@ -32,6 +32,7 @@ from vllm_dartree.tree.structure import (
     TreeBatch,
     ancestor_bitmask,
     ancestor_mask,
+    best_first_order,
     bitmask_to_mask,
     mask_to_bitmask,
     tree_positions,
@@ -48,7 +49,8 @@ from vllm_dartree.tree.verify import (
 
 __all__ = [
     "CandidateTables", "CorrectionHead", "MarkovToyHead", "NoHead", "TreeBatch", "WalkResult",
-    "ancestor_bitmask", "ancestor_mask", "best_first_select", "bitmask_to_mask", "build_chain",
+    "ancestor_bitmask", "ancestor_mask", "best_first_order", "best_first_select",
+    "bitmask_to_mask", "build_chain",
     "build_chain_ddtree", "build_dartree", "build_ddtree", "build_sequential_heap",
     "build_tree", "candidate_tables", "ddtree_heap", "fixed_quotas", "format_tree",
     "greedy_walk", "grow", "mask_to_bitmask", "num_candidates", "pruned_quotas",

@@ -221,10 +221,13 @@ def build_ddtree(tables: CandidateTables, root_tokens: torch.Tensor, budget: int
 
 def build_chain(
     tables: CandidateTables, head: CorrectionHead, prepared: Any, root_tokens: torch.Tensor,
+    budget: int | None = None,
 ) -> TreeBatch:
-    """One greedy path over all D depths: the argmax candidate at every depth, corrected by
-    the head along the chain itself (Domino chain) or not (NoHead: DFlash chain)."""
-    return grow(tables, head, prepared, root_tokens, [1] * tables.ids.shape[1])
+    """One greedy path over min(D, budget) depths: the argmax candidate at every depth,
+    corrected by the head along the chain itself (Domino chain) or not (NoHead: DFlash
+    chain). Like every builder, it never returns more than `budget` nodes."""
+    depths = tables.ids.shape[1] if budget is None else min(budget, tables.ids.shape[1])
+    return grow(tables, head, prepared, root_tokens, [1] * depths)
 
 
 @torch.no_grad()

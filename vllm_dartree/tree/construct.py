@@ -20,7 +20,7 @@ from vllm_dartree.tree.build import (
 )
 from vllm_dartree.tree.heads import CorrectionHead, NoHead
 from vllm_dartree.tree.heap import build_sequential_heap
-from vllm_dartree.tree.structure import TreeBatch
+from vllm_dartree.tree.structure import TreeBatch, best_first_order
 
 __all__ = ["build_tree", "num_candidates"]
 
@@ -45,8 +45,17 @@ def build_tree(
 
     base_logits: [R, D, V] the backbone's logits per draft depth; hidden: [R, D, H] its
     hidden states (what the correction head reads); root_tokens: [R] int64, the last
-    committed token of each request. Returns a TreeBatch of static width.
+    committed token of each request. Returns a TreeBatch of static width, at most
+    `budget` nodes per request, in best-first order (`best_first_order`): any prefix is the
+    best tree of its size.
     """
+    tree = _build(config, base_logits, hidden, root_tokens, head)
+    # DDTree ranks by plain path score; the others by score + beta * depth.
+    beta = 0.0 if config.builder in ("ddtree", "chain-ddtree") else config.depth_bonus
+    return best_first_order(tree, beta)
+
+
+def _build(config, base_logits, hidden, root_tokens, head) -> TreeBatch:
     vocab = base_logits.shape[-1]
     config.check_drafter(vocab_size=vocab, num_depths=base_logits.shape[1])
     depths = config.num_depths(base_logits.shape[1])
@@ -63,7 +72,7 @@ def build_tree(
                                      depth_bonus=config.depth_bonus)
     prepared = head.prepare(hidden, tables.ids)
     if config.builder == "chain":
-        return build_chain(tables, head, prepared, root_tokens)
+        return build_chain(tables, head, prepared, root_tokens, config.budget)
     if config.builder == "chain-ddtree":
         return build_chain_ddtree(tables, head, prepared, root_tokens, config.budget)
     return build_dartree(tables, head, prepared, root_tokens, variant=config.variant,

@@ -23,6 +23,7 @@ __all__ = [
     "TreeBatch",
     "ancestor_mask",
     "ancestor_bitmask",
+    "best_first_order",
     "bitmask_to_mask",
     "mask_to_bitmask",
     "tree_positions",
@@ -142,3 +143,25 @@ def truncate(tree: TreeBatch, max_nodes: torch.Tensor | int) -> TreeBatch:
         scores=torch.where(keep, tree.scores, float("-inf")),
         num_nodes=num_nodes,
     )
+
+
+def best_first_order(tree: TreeBatch, depth_bonus: float = 0.0) -> TreeBatch:
+    """The same trees, nodes in descending `score + depth_bonus * depth` (padding last).
+
+    With depth_bonus <= 0 a child never outranks its parent (its score adds a log q <= 0),
+    and a stable sort keeps ties in the old topological order, so the result is topological
+    and every prefix of n nodes is the best tree of n nodes (Lemma 1): whoever cuts the
+    tree (the budget controller, the scheduler, max_model_len) keeps the most likely nodes.
+    """
+    num_req, n = tree.tokens.shape
+    slots = torch.arange(n, device=tree.tokens.device)
+    valid = slots[None, :] < tree.num_nodes[:, None]
+    key = tree.scores + depth_bonus * tree.depths.to(tree.scores.dtype)
+    key = torch.where(valid, key, float("-inf"))
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices     # [R, N]
+    remap = order.new_full((num_req, 1 + n), -1)          # old index + 1 -> new index
+    remap.scatter_(1, order + 1, slots.expand(num_req, -1))
+    pick = lambda t: torch.gather(t, 1, order)  # noqa: E731
+    parents = torch.gather(remap, 1, pick(tree.parents) + 1)
+    return TreeBatch(pick(tree.tokens), torch.where(pick(valid), parents, -1),
+                     pick(tree.depths), pick(tree.scores), tree.num_nodes)
