@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_bench import run_engine  # noqa: E402
+from engine_bench import budget_line, run_engine  # noqa: E402
 
 
 def main() -> None:
@@ -76,6 +76,8 @@ def main() -> None:
         rp, rd = p["tokens"] / p["seconds"], d["tokens"] / d["seconds"]
         tau = f"{d['tau']:.2f}" if d["tau"] else "-"
         print(f"{c:>4} {rp:>12.1f} {rd:>14.1f} {rd / rp:>5.2f}x {tau:>6}")
+        if budget_line(d):
+            print(f"     {budget_line(d)}")
     if same != len(plain):
         raise SystemExit("DARTree changed the output: this is a bug, please report it")
 

@@ -46,6 +46,13 @@ class DARTreeConfig(BaseModel):
     distributions the head gives along the greedy chain (both ablations of the paper's
     Table 2)."""
 
+    adaptive: bool = True
+    """Engines only: size every request's tree each step to what it is expected to earn
+    (calibrated acceptance of its nodes x the measured cost of verified rows and drafting),
+    so `budget` is the most nodes a request verifies and 0 nodes, a plain step with no
+    drafter pass, is chosen whenever speculation would not pay. False: every round verifies
+    `budget` nodes (the paper's fixed-budget tables; the reference decoder always does)."""
+
     correction: bool = True
     """Use the drafter's correction head (Domino GRU / DSpark Markov). False = the backbone's
     uncorrected marginals only (DFlash-like)."""

@@ -139,8 +139,11 @@ class DFlashBackbone(nn.Module):
 
     @torch.no_grad()
     def forward(self, cache: ContextCache, rids: Sequence[Hashable],
-                root_tokens: torch.Tensor) -> DraftOutput:
-        """One draft pass for R requests: root_tokens [R] -> per-depth hiddens and logits."""
+                root_tokens: torch.Tensor, num_depths: int | None = None) -> DraftOutput:
+        """One draft pass for R requests: root_tokens [R] -> per-depth hiddens and logits.
+
+        `num_depths` (default all) limits the depths projected onto the vocabulary: the
+        lm-head is most of a small drafter's cost, and a tree cut to n nodes needs <= n."""
         spec = self.spec
         dtype = self.fc.weight.dtype
         num_req, q = len(rids), spec.query_len
@@ -158,7 +161,8 @@ class DFlashBackbone(nn.Module):
                                                                 spec.head_dim)
             v_i = ctx_v[i] if ctx_v.shape[0] else k_i
             x = layer(x, k_i, v_i, valid, cos, sin)
-        hidden = self.norm(x)[:, spec.depth_offset:spec.depth_offset + spec.num_depths]
+        depths = spec.num_depths if num_depths is None else min(num_depths, spec.num_depths)
+        hidden = self.norm(x)[:, spec.depth_offset:spec.depth_offset + depths]
         logits = linear(hidden, self.lm_head_weight.to(hidden.dtype))
         return DraftOutput(hidden=hidden, base_logits=logits)
 

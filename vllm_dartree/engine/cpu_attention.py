@@ -79,11 +79,11 @@ BATCHED_MAX_ROWS = 80
 class _Plan:
     """How this step's rows are attended, built once per step and shared by all layers."""
     batched: list[int]            # requests in the padded batch
-    blocks: torch.Tensor | None   # [Rb, Lmax] physical block of every KV position
-    offsets: torch.Tensor | None  # [Rb, Lmax]
+    blocks: torch.Tensor | None   # [Rb * nb] int64, their first nb = ceil(Lmax / block) blocks
+    length: int                   # Lmax
     rows: torch.Tensor | None     # [Rb, Qmax] flattened query row of every padded row
     row_valid: torch.Tensor | None  # [Rb, Qmax]
-    mask: torch.Tensor | None     # [Rb, 1, Qmax, Lmax] bool
+    mask: torch.Tensor | None     # [Rb, 1, Qmax, Lmax] bool; None when every row sees all
     single: list[int]             # requests attended one at a time
 
 
@@ -103,17 +103,16 @@ def _plan(md: DARTreeCPUMetadata, block_size: int) -> _Plan:
     live = [r for r, q in enumerate(q_lens) if q > 0]
     batched = [r for r in live if q_lens[r] <= BATCHED_MAX_ROWS]
     single = [r for r in live if q_lens[r] > BATCHED_MAX_ROWS]
-    plan = _Plan(batched, None, None, None, None, None, single)
+    plan = _Plan(batched, None, 0, None, None, None, single)
     if batched:
         q_max = max(q_lens[r] for r in batched)
         l_max = max(seq_lens[r] for r in batched)
-        seq = torch.tensor([seq_lens[r] for r in batched])
         qn = torch.tensor([q_lens[r] for r in batched])
-        pos = torch.arange(l_max)[None, :].expand(len(batched), l_max)
-        pos = torch.where(pos < seq[:, None], pos, 0)
-        table = md.block_table[torch.tensor(batched)].long()
-        plan.blocks = torch.gather(table, 1, pos // block_size)
-        plan.offsets = pos % block_size
+        num_blocks = -(-l_max // block_size)
+        # whole blocks: positions past a request's length hold finite values (vLLM zeroes
+        # the cache; stale rows are old K/V) and are masked out below
+        plan.blocks = md.block_table[torch.tensor(batched), :num_blocks].long().flatten()
+        plan.length = l_max
         j = torch.arange(q_max)[None, :]
         plan.row_valid = j < qn[:, None]
         plan.rows = torch.tensor([qsl[r] for r in batched])[:, None] + torch.minimum(
@@ -124,7 +123,7 @@ def _plan(md: DARTreeCPUMetadata, block_size: int) -> _Plan:
             mask[i, :q, :length - q] = True
             mask[i, :q, length - q:length] = _window_mask(md, r, q)
             mask[i, q:, 0] = True    # padding rows: any finite softmax, discarded
-        plan.mask = mask[:, None]
+        plan.mask = None if bool(mask.all()) else mask[:, None]   # e.g. one decode row
     md._plan = plan
     return plan
 
@@ -134,19 +133,20 @@ def tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, md: DARTreeCPUMe
     """query [T, NH, D] -> out [T, NH, D]: short requests in one padded SDPA call, prompt
     chunks one at a time; every row sees its context and its causal / tree window."""
     head_size = query.shape[-1]
-    k_cache, v_cache = kv_views(kv_cache, head_size)
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = query.shape[1] // kv_heads
+    # token-major [blocks, block_size, KVH, 2D]: K and V of a slot gathered in one index
+    token_major = kv_cache.permute(0, 2, 1, 3)
+    block_size, kv_heads = token_major.shape[1], token_major.shape[2]
+    gqa = query.shape[1] != kv_heads     # SDPA shares each K/V head across its query group
     plan = _plan(md, block_size)
     if plan.batched:
-        k = k_cache[plan.blocks, plan.offsets]                           # [Rb, L, KVH, D]
-        v = v_cache[plan.blocks, plan.offsets]
-        if group > 1:
-            k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+        # one contiguous copy per block (index_select), then [Rb, KVH, L, 2D]
+        rb, nb = len(plan.batched), plan.blocks.shape[0] // len(plan.batched)
+        kv = kv_cache.index_select(0, plan.blocks).view(rb, nb, *kv_cache.shape[1:])
+        kv = kv.transpose(1, 2).reshape(rb, kv_heads, nb * block_size, -1)[:, :, :plan.length]
         q = query[plan.rows]                                             # [Rb, Q, NH, D]
         attn = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.mask,
-            scale=scale).transpose(1, 2)                                 # [Rb, Q, NH, D]
+            q.transpose(1, 2), kv[..., :head_size], kv[..., head_size:],
+            attn_mask=plan.mask, scale=scale, enable_gqa=gqa).transpose(1, 2)
         out[plan.rows[plan.row_valid]] = attn[plan.row_valid].to(out.dtype)
     qsl = md.query_start_loc.tolist()
     seq_lens = md.seq_lens.tolist()
@@ -156,15 +156,12 @@ def tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, md: DARTreeCPUMe
         positions = torch.arange(seq_len)
         blocks = md.block_table[r].long()[positions // block_size]
         offsets = positions % block_size
-        k = k_cache[blocks, offsets]                                     # [L, KVH, D]
-        v = v_cache[blocks, offsets]
-        if group > 1:
-            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        kv = token_major[blocks, offsets].transpose(0, 1)                 # [KVH, L, 2D]
         window = _window_mask(md, r, q_len)
         mask = torch.cat([window.new_ones(q_len, seq_len - q_len), window], dim=1)
         attn = torch.nn.functional.scaled_dot_product_attention(
-            query[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, scale=scale)
+            query[start:end].transpose(0, 1), kv[..., :head_size], kv[..., head_size:],
+            attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[start:end] = attn.transpose(0, 1).to(out.dtype)
 
 

@@ -41,7 +41,11 @@ class TreeDrafter(Protocol):
     def extend(self, rids: Sequence[Hashable], tokens: Sequence[Sequence[int]],
                features: Sequence[torch.Tensor]) -> None: ...
 
-    def draft(self, rids: Sequence[Hashable], roots: torch.Tensor) -> TreeBatch: ...
+    num_depths: int              # deepest tree level it can draft
+
+    def draft(self, rids: Sequence[Hashable], roots: torch.Tensor,
+              num_depths: int | None = None) -> TreeBatch:
+        """Trees for `rids` in best-first order; `num_depths` (default all) caps their depth."""
 
 
 class CheckpointTreeDrafter:
@@ -55,7 +59,10 @@ class CheckpointTreeDrafter:
         buckets = DEFAULT_BUCKETS
         if max_batch is not None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_batch) + (max_batch,)
-        self.builder = GraphedTreeBuilder(config, drafter.head, buckets=buckets,
+        # the backbone projects only the depths asked for (max_depth is applied there), so
+        # the builder grows whatever depths it is given
+        self.builder = GraphedTreeBuilder(config.model_copy(update={"max_depth": None}),
+                                          drafter.head, buckets=buckets,
                                           use_graphs=None if cuda_graphs else False)
 
     def length(self, rid: Hashable) -> int:
@@ -70,8 +77,13 @@ class CheckpointTreeDrafter:
     def extend(self, rids, tokens, features) -> None:
         self.drafter.backbone.extend_context(self.cache, list(rids), list(features))
 
-    def draft(self, rids, roots: torch.Tensor) -> TreeBatch:
-        out = self.drafter.backbone(self.cache, list(rids), roots)
+    @property
+    def num_depths(self) -> int:
+        return self.config.num_depths(self.drafter.spec.num_depths)
+
+    def draft(self, rids, roots: torch.Tensor, num_depths: int | None = None) -> TreeBatch:
+        depths = self.num_depths if num_depths is None else min(num_depths, self.num_depths)
+        out = self.drafter.backbone(self.cache, list(rids), roots, num_depths=depths)
         return self.builder(out.base_logits, out.hidden, roots)[0]
 
 
@@ -108,11 +120,16 @@ class OracleTreeDrafter:
                 return full[len(seq):len(seq) + self.depth]
         return []
 
-    def draft(self, rids, roots: torch.Tensor) -> TreeBatch:
+    @property
+    def num_depths(self) -> int:
+        return self.depth
+
+    def draft(self, rids, roots: torch.Tensor, num_depths: int | None = None) -> TreeBatch:
         budget = self.config.budget
+        depth = self.depth if num_depths is None else min(num_depths, self.depth)
         trees = []
         for rid, root in zip(rids, roots.tolist()):
-            cont = self._continuation(self.tokens.get(rid, []) + [int(root)])
+            cont = self._continuation(self.tokens.get(rid, []) + [int(root)])[:depth]
             tokens, parents, depths = [], [], []
             for d, tok in enumerate(cont, start=1):
                 parent = -1 if d == 1 else len(tokens) - 2   # previous chain node

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from vllm_dartree import ops
+from vllm_dartree.engine.controller import TreeBudget
 from vllm_dartree.engine.settings import EngineSettings
 from vllm_dartree.tree import TreeBatch
 from vllm_dartree.tree.verify import sample_target_tokens, walk
@@ -98,6 +99,7 @@ class _StoredTree:
     tokens: list[int]
     parents: torch.Tensor   # [N] int64, -1 = root
     depths: torch.Tensor    # [N] int64
+    scores: np.ndarray | None = None   # [N] float64, the drafter's path log-probabilities
 
 
 @dataclass
@@ -110,6 +112,7 @@ class _Step:
     drafts: list[list[int]]     # scheduled draft tokens
     trees: list[_StoredTree | None]
     is_tree: list[bool] = field(default_factory=list)
+    decode_only: bool = False   # every request decodes (no prompt chunk): a step to time
     tree_mask: torch.Tensor | None = None
     accepted: list[list[int]] | None = None   # accepted node indices, set by _sample
 
@@ -125,6 +128,9 @@ class DARTreeRunnerMixin:
         self._dt_broken: set[str] = set()
         self.use_aux_hidden_state_outputs = True
         self.dartree_seconds: dict[str, float] = defaultdict(float)
+        self._dt_budget: TreeBudget | None = None     # created with the drafter (adaptive)
+        self._dt_clock: list[float] = []              # this step's (start, drafting seconds)
+        self._dt_timing: tuple[int, bool] | None = None   # this step's (rows, trees) to time
 
     @contextmanager
     def _dt_timed(self, stage: str):
@@ -135,12 +141,23 @@ class DARTreeRunnerMixin:
             self.dartree_seconds[stage] += time.perf_counter() - start
 
     def execute_model(self, *args, **kwargs):
+        self._dt_clock = [time.perf_counter(), 0.0]
         with self._dt_timed("target"):
             return super().execute_model(*args, **kwargs)
 
     def sample_tokens(self, *args, **kwargs):
         with self._dt_timed("sample"):
-            return super().sample_tokens(*args, **kwargs)
+            result = super().sample_tokens(*args, **kwargs)
+        self._dt_time_step()
+        return result
+
+    def _dt_time_step(self) -> None:
+        """The cost model's data: a decode step's seconds without drafting, by rows."""
+        timing, self._dt_timing = self._dt_timing, None
+        if self._dt_budget is None or timing is None or len(self._dt_clock) != 2:
+            return
+        start, drafting = self._dt_clock
+        self._dt_budget.observe_step(*timing, time.perf_counter() - start - drafting)
 
     # -- setup ---------------------------------------------------------------------------
     @property
@@ -176,6 +193,8 @@ class DARTreeRunnerMixin:
             self._dt_broken.discard(rid)
             if drafter is not None and rid in scheduler_output.finished_req_ids:
                 drafter.free(rid)
+                if self._dt_budget is not None:
+                    self._dt_budget.free(rid)
         return super()._update_states(scheduler_output)
 
     # -- 2. positions and masks ----------------------------------------------------------
@@ -196,10 +215,14 @@ class DARTreeRunnerMixin:
             match = (n > 0 and stored is not None and rows[i] == n + 1
                      and stored.tokens[:n] == scheduled)
             drafts.append(scheduled)
-            trees.append(_StoredTree(scheduled, stored.parents[:n], stored.depths[:n])
+            trees.append(_StoredTree(scheduled, stored.parents[:n], stored.depths[:n],
+                                     None if stored.scores is None else stored.scores[:n])
                          if match else None)
         step = _Step(req_ids, starts, rows, p0, drafts, trees)
         step.is_tree = [t is not None for t in trees]
+        step.decode_only = bool(num_reqs) and all(
+            int(rows[i]) == 1 + len(drafts[i]) for i in range(num_reqs))
+        self._dt_timing = (int(rows.sum()), any(step.is_tree)) if step.decode_only else None
         inputs = tree_rows([(t.parents, t.depths) if t is not None else None for t in trees],
                            starts, rows, p0, self.positions.device)
         if inputs is not None:
@@ -271,7 +294,21 @@ class DARTreeRunnerMixin:
         counts = result.num_accepted.tolist()
         nodes = result.accepted_nodes.tolist()
         step.accepted = [nodes[i][:c] for i, c in enumerate(counts)]
+        self._dt_observe_walks(step)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
+
+    def _dt_greedy(self, rid) -> bool:
+        sp = getattr(self.requests.get(rid), "sampling_params", None)
+        return sp is None or sp.temperature < 1e-5
+
+    def _dt_observe_walks(self, step: _Step) -> None:
+        """The calibration's data: each verified tree's nodes, labelled by the walk."""
+        if self._dt_budget is None:
+            return
+        for rid, tree, accepted in zip(step.req_ids, step.trees, step.accepted):
+            if tree is not None and tree.scores is not None and len(tree.tokens):
+                self._dt_budget.observe_walk(rid, self._dt_greedy(rid), tree.scores,
+                                             tree.depths.numpy(), accepted)
 
     def _dt_tree_batch(self, step: _Step, device) -> TreeBatch:
         num_reqs = len(step.req_ids)
@@ -344,8 +381,12 @@ class DARTreeRunnerMixin:
 
     # -- 6. drafting ---------------------------------------------------------------------
     def propose_draft_token_ids(self, *args, **kwargs):
+        start = time.perf_counter()
         with self._dt_timed("draft"):
-            return self._dt_propose(*args, **kwargs)
+            out = self._dt_propose(*args, **kwargs)
+        if len(self._dt_clock) == 2:
+            self._dt_clock[1] += time.perf_counter() - start
+        return out
 
     def _dt_propose(self, scheduler_output, sampled_token_ids, sampling_metadata,
                     hidden_states, sample_hidden_states, aux_hidden_states,
@@ -389,22 +430,49 @@ class DARTreeRunnerMixin:
         if not draft_rows:
             return out
         rids = [step.req_ids[i] for i in draft_rows]
-        trees = drafter.draft(rids, torch.tensor(roots, device=features.device))
+        greedy = [self._dt_greedy(rid) for rid in rids]
+        budget = self._dt_budget_for(drafter)
+        plan = None
+        if budget is not None:   # adaptive: who drafts, and how deep (none: a plain step)
+            plan = budget.plan(rids, greedy, num_reqs)
+            keep = [j for j in range(len(rids)) if plan.nodes[j] > 0]
+            if not keep:
+                return out
+            draft_rows, rids, roots, greedy = ([xs[j] for j in keep]
+                                               for xs in (draft_rows, rids, roots, greedy))
+            plan_index = keep
+        start = time.perf_counter()
+        trees = drafter.draft(rids, torch.tensor(roots, device=features.device),
+                              num_depths=None if plan is None else plan.depth)
         counts = trees.num_nodes.tolist()
         tokens, parents, depths = (trees.tokens.cpu(), trees.parents.cpu(), trees.depths.cpu())
+        scores = trees.scores.cpu().double().numpy()
+        if budget is not None:
+            budget.observe_draft(len(rids), plan.depth, time.perf_counter() - start)
         # vLLM's per-position counters and rejection buffers hold num_speculative_tokens
         # drafts: never hand the scheduler more (a prefix of a tree is a tree).
         limit = int(getattr(self.speculative_config, "num_speculative_tokens", None)
                     or self.dartree.config.budget)
         for j, (i, rid) in enumerate(zip(draft_rows, rids)):
             n = min(int(counts[j]), limit)
+            if plan is not None and n:
+                n = budget.cut(rid, greedy[j], scores[j, :n], depths[j, :n].numpy(), plan,
+                               plan_index[j])
             if n == 0:
                 continue
             draft = tokens[j, :n].tolist()
             self._dt_trees[rid] = _StoredTree(draft, parents[j, :n].clone(),
-                                              depths[j, :n].clone())
+                                              depths[j, :n].clone(), scores[j, :n].copy())
             out[i] = draft
         return out
+
+    def _dt_budget_for(self, drafter) -> TreeBudget | None:
+        """The adaptive budget (None with `adaptive: false`), made once the drafter is known."""
+        if not self.dartree.config.adaptive:
+            return None
+        if self._dt_budget is None:
+            self._dt_budget = TreeBudget(self.dartree.config.budget, drafter.num_depths)
+        return self._dt_budget
 
 
 class DARTreeWorkerMixin:
@@ -416,3 +484,10 @@ class DARTreeWorkerMixin:
         if reset:
             self.model_runner.dartree_seconds.clear()
         return seconds
+
+    def dartree_budget(self) -> dict:
+        """The adaptive budget's counters and fitted costs (`collective_rpc("dartree_budget")`):
+        plain / tree / exploring steps, verified trees and nodes, predicted vs observed
+        accepted tokens, live per-request state; {} with `adaptive: false`."""
+        budget = self.model_runner._dt_budget
+        return {} if budget is None else budget.summary()

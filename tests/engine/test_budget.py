@@ -1,0 +1,117 @@
+"""The budget controller against a brute-force optimum; the calibration and cost fits on
+synthetic data with known answers (pure numpy: no engine)."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_dartree.engine.budget import BatchCosts, cut, plan_budgets, throughput
+from vllm_dartree.engine.calibration import AcceptanceCalibrator, isotonic_increasing
+from vllm_dartree.engine.costs import DecayedLeastSquares, StepCosts
+
+
+def _curves(gen, r, b):
+    """Random prefix curves of best-first trees: marginals in (0, 1), depths of a random
+    tree whose prefixes deepen by at most one per node."""
+    p = np.sort(gen.uniform(0, 1, (r, b)), axis=1)[:, ::-1] ** gen.uniform(0.5, 3)
+    gains = np.concatenate([np.zeros((r, 1)), np.cumsum(p, axis=1)], axis=1)
+    steps = gen.integers(0, 2, (r, b))
+    steps[:, 0] = 1
+    depths = np.concatenate([np.zeros((r, 1), dtype=np.int64), np.cumsum(steps, axis=1)], 1)
+    return gains, depths
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), r=st.integers(1, 3), b=st.integers(1, 4))
+def test_plan_equals_brute_force(seed, r, b):
+    gen = np.random.default_rng(seed)
+    gains, depths = _curves(gen, r, b)
+    costs = BatchCosts(step=gen.uniform(0.01, 0.1), row=gen.uniform(0.0005, 0.02),
+                       tree_step=gen.uniform(0, 0.03), per_request=gen.uniform(0, 0.01),
+                       per_depth=gen.uniform(0, 0.01))
+    best = max(throughput(gains, depths, np.array(n), costs)
+               for n in itertools.product(range(b + 1), repeat=r))
+    plan = plan_budgets(gains, depths, costs)
+    assert throughput(gains, depths, plan.nodes, costs) == pytest.approx(best, rel=1e-9)
+    assert plan.rate == pytest.approx(best, rel=1e-9)
+    if plan.nodes.any():
+        assert plan.depth == depths[np.arange(r), plan.nodes].max()
+    else:
+        assert plan.depth == 0
+
+
+def test_plain_when_drafts_do_not_pay_and_trees_when_they_do():
+    gains = np.array([[0.0, 0.5, 0.7, 0.8]])
+    depths = np.array([[0, 1, 2, 2]])
+    dear = BatchCosts(step=0.076, row=0.003, tree_step=0.07, per_request=0.0, per_depth=0.0)
+    assert not plan_budgets(gains, depths, dear).nodes.any()   # 1.8 tokens for 2.05 steps
+    cheap = BatchCosts(step=0.076, row=0.003, tree_step=0.005, per_request=0.001,
+                       per_depth=0.001)
+    plan = plan_budgets(gains, depths, cheap)
+    assert plan.nodes.tolist() == [3] and plan.depth == 2
+
+
+def test_cut_keeps_nodes_that_earn_their_rows():
+    gains = np.array([[0.0, 0.9, 1.0, 1.01], [0.0, 0.2, 0.32, 0.37]])
+    # rate 10 tokens/s and 0.01 s per row: a node stays if it is accepted with p > 0.1
+    assert cut(gains, 0.01, 10.0, np.array([3, 3])).tolist() == [1, 2]
+    assert cut(gains, 0.01, 10.0, np.array([0, 1])).tolist() == [0, 1]
+
+
+def test_isotonic_fit():
+    got = isotonic_increasing(np.array([0.1, 0.5, 0.3, 0.9]), np.array([1.0, 1.0, 1.0, 2.0]))
+    assert got.tolist() == pytest.approx([0.1, 0.4, 0.4, 0.9])
+
+
+def test_calibration_converges_to_the_true_acceptance():
+    """A synthetic drafter over-confident by a known law: nodes with path log-prob s at
+    depth d are accepted with probability 0.5 * exp(s) / d**0.5; the calibrated estimate
+    converges to it bin by bin, and predicted total acceptance matches the observed one."""
+    gen = np.random.default_rng(0)
+    cal = AcceptanceCalibrator(decay=0.999)
+    truth = lambda s, d: 0.5 * np.exp(s) / np.sqrt(d)   # noqa: E731
+    predicted = observed = 0.0
+    for step in range(3000):
+        depths = gen.integers(1, 9, 32)
+        scores = -gen.exponential(1.5, 32)
+        accepted = gen.uniform(size=32) < truth(scores, depths)
+        pred, obs = cal.update(scores, depths, accepted)
+        if step >= 1000:
+            predicted, observed = predicted + pred, observed + obs
+    assert predicted == pytest.approx(observed, rel=0.05)
+    for d, s in [(1, -0.3), (2, -1.2), (3, -2.2), (5, -0.6)]:
+        assert cal.predict(np.array([s]), np.array([d]))[0] == pytest.approx(truth(s, d),
+                                                                              abs=0.06)
+    # before any walk the drafter's own probability is the estimate
+    fresh = AcceptanceCalibrator()
+    assert fresh.predict(np.array([-0.05]), np.array([1]))[0] > 0.9
+
+
+def test_per_request_correction():
+    cal = AcceptanceCalibrator()
+    scores, depths = np.full(4, -0.5), np.array([1, 2, 3, 4])
+    for _ in range(50):
+        cal.update(scores, depths, np.array([True, True, False, False]), rid="a")
+        cal.update(scores, depths, np.array([False, False, False, False]), rid="b")
+    assert cal.correction("a") > 1.5 > cal.correction("b") * 3
+    assert cal.predict(scores, depths, "a").sum() > 3 * cal.predict(scores, depths, "b").sum()
+    cal.free("a")
+    assert cal.request_ids == {"b"}
+
+
+def test_cost_fits_recover_linear_costs():
+    gen = np.random.default_rng(1)
+    costs = StepCosts(plain_step=0.2)
+    for _ in range(300):
+        rows, tree = int(gen.integers(1, 80)), int(gen.integers(0, 2))
+        costs.observe_target(rows, tree, 0.07 + 0.003 * rows + 0.01 * tree
+                             + gen.normal(0, 0.002))
+        r, d = int(gen.integers(1, 9)), int(gen.integers(1, 17))
+        costs.observe_draft(r, d, 0.01 + 0.002 * r + 0.0015 * r * d + gen.normal(0, 0.001))
+    assert costs.target_theta == pytest.approx([0.07, 0.003, 0.01], abs=2e-3)
+    assert costs.draft_theta == pytest.approx([0.01, 0.002, 0.0015], abs=1e-3)
+    fit = DecayedLeastSquares(np.array([1.0, 1.0]))
+    assert fit.theta() == pytest.approx([1.0, 1.0])     # no data: the prior

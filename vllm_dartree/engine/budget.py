@@ -1,0 +1,117 @@
+"""The budget controller: how many tree nodes each request verifies next step (0 = plain).
+
+For a batch of R decoding requests, request i verifying the first n_i nodes of its
+best-first tree expects `gain_i(n_i)` accepted tokens (the sum of its nodes' calibrated
+acceptance, `engine.calibration`) and the step costs (`engine.costs`, measured online)
+
+    T(n) = a + b * (R + sum n_i) + [any n_i > 0] * (f + c + sum_{n_i > 0} (d + e * depth))
+
+where `depth` is the number of drafter depths computed (the deepest prefix chosen, the same
+for the whole batched draft). The controller maximises the batch's tokens per second
+
+    Theta(n) = (R + sum_i gain_i(n_i)) / T(n),
+
+exactly over n_i in 0..B and depth in 1..D: for a fixed depth the cost is separable across
+requests, so Dinkelbach's iteration (lambda <- Theta(n*), n* = argmax R + G(n) - lambda T(n))
+converges to the exact optimum in a few rounds; the best depth wins. n = 0 everywhere is
+always a candidate (a plain step, no drafter pass), so speculation is chosen only when the
+estimates say it pays. Once the trees exist, `cut` keeps the prefix of each whose marginal
+nodes are still worth their rows at the planned rate (the draft itself is paid by then).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["BatchCosts", "Plan", "plan_budgets", "cut", "throughput"]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchCosts:
+    """The cost model's coefficients (seconds), read from `StepCosts` once per step."""
+    step: float          # a: a plain step
+    row: float           # b: one verified row
+    tree_step: float     # f + c: a step that verifies trees and runs the drafter
+    per_request: float   # d: one drafted request
+    per_depth: float     # e: one drafted request, one depth
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    nodes: np.ndarray    # [R] int64, planned verified nodes per request (0 = no tree)
+    depth: int           # drafter depths to compute (0 = no drafter pass)
+    rate: float          # planned tokens per second (lambda*)
+
+
+def throughput(gains: np.ndarray, depths: np.ndarray, nodes: np.ndarray,
+               costs: BatchCosts, depth: int | None = None) -> float:
+    """Theta(n) for an allocation (gains, depths: [R, B + 1] prefix curves, nodes: [R]);
+    `depth` overrides the drafted depth (default: the deepest chosen prefix)."""
+    r = gains.shape[0]
+    idx = np.arange(r)
+    tokens = r + gains[idx, nodes].sum()
+    seconds = costs.step + costs.row * (r + nodes.sum())
+    drafted = nodes > 0
+    if drafted.any():
+        if depth is None:
+            depth = int(depths[idx, nodes].max())
+        seconds += costs.tree_step + drafted.sum() * (costs.per_request + costs.per_depth * depth)
+    return float(tokens / seconds)
+
+
+def _best_for_depth(gains, depths, depth: int, costs: BatchCosts, lam: float) -> np.ndarray:
+    """argmax_n R + G(n) - lam * T(n) with every prefix depth <= depth (costed at depth)."""
+    b = gains.shape[1] - 1
+    n = np.arange(b + 1)
+    cost = costs.row * n + np.where(n > 0, costs.per_request + costs.per_depth * depth, 0.0)
+    value = gains - lam * cost[None, :]
+    value = np.where(depths <= depth, value, -np.inf)
+    value[:, 0] = 0.0
+    best = value.argmax(axis=1)
+    if value[np.arange(len(best)), best].sum() <= lam * costs.tree_step:
+        return np.zeros_like(best)          # the step's fixed tree costs are not earned
+    return best
+
+
+def plan_budgets(gains: np.ndarray, depths: np.ndarray, costs: BatchCosts,
+                 max_iters: int = 30) -> Plan:
+    """The exact optimum of Theta over n_i in 0..B and the drafted depth.
+
+    gains: [R, B + 1] float, gains[i, n] = expected accepted tokens of request i's first n
+    nodes (gains[:, 0] = 0); depths: [R, B + 1] int, the depth of that prefix (0 at n = 0).
+    Costing every allocation at a depth cap >= its own depth only overestimates it, and the
+    optimum is costed exactly under the cap equal to its own depth: the best over caps of
+    each cap's Dinkelbach optimum is the optimum.
+    """
+    r = gains.shape[0]
+    plain = np.zeros(r, dtype=np.int64)
+    best_nodes, best_rate = plain, throughput(gains, depths, plain, costs)
+    if r == 0 or gains.shape[1] == 1:
+        return Plan(plain, 0, best_rate)
+    for cap in range(1, int(depths.max()) + 1):
+        lam = best_rate
+        for _ in range(max_iters):
+            nodes = _best_for_depth(gains, depths, cap, costs, lam)
+            modelled = throughput(gains, depths, nodes, costs, depth=cap) if nodes.any() \
+                else throughput(gains, depths, nodes, costs)
+            true = throughput(gains, depths, nodes, costs)
+            if true > best_rate + 1e-12:
+                best_nodes, best_rate = nodes, true
+            if modelled <= lam * (1 + 1e-12):
+                break
+            lam = modelled
+    idx = np.arange(r)
+    depth = int(depths[idx, best_nodes].max()) if best_nodes.any() else 0
+    return Plan(best_nodes.astype(np.int64), depth, best_rate)
+
+
+def cut(gains: np.ndarray, row_cost: float, rate: float, limit: np.ndarray) -> np.ndarray:
+    """Per request, the prefix length n <= limit_i maximising gain_i(n) - rate * row_cost * n
+    (the drafting is paid; a node stays if it earns its row at the planned rate)."""
+    b = gains.shape[1] - 1
+    n = np.arange(b + 1)
+    value = gains - rate * row_cost * n[None, :]
+    value = np.where(n[None, :] <= limit[:, None], value, -np.inf)
+    return value.argmax(axis=1).astype(np.int64)

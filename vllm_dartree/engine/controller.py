@@ -1,0 +1,208 @@
+"""`TreeBudget`: the runner's adaptive budget, one per worker (calibration + costs + plan).
+
+Per step the runner asks, before drafting, `plan(rids, greedy)`: how many nodes each
+request should verify next step and how many drafter depths that needs (0 for every
+request = a plain step: the drafter is not run at all). The prediction for a request is
+its last tree (the pool's last tree for a new request) re-scored by the current calibrator.
+After drafting, `cut` gives each fresh tree the prefix whose nodes earn their rows at the
+planned rate. After the target's walk, `observe_walk` labels the verified nodes (the
+calibration's data) and the runner reports step and draft timings (`observe_step`,
+`observe_draft`: the cost model's data).
+
+So that the estimates never freeze while every step is plain, one request in turn drafts
+and verifies a small tree (alternately 2 and 4 nodes, so that a row's cost can be told from
+a tree step's) after a run of plain steps. The run starts at 16 steps and doubles, up to
+256, each time an exploration does not convince the plan to draft by itself, so a drafter
+that does not pay costs about 1% of the steps; any step the plan drafts resets it.
+
+`VLLM_DARTREE_PLAIN=1` makes every step plain and never explores: plain decoding through
+the plugin's worker and attention, to measure what the plugin itself costs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_dartree.engine.budget import BatchCosts, Plan, cut, plan_budgets
+from vllm_dartree.engine.calibration import AcceptanceCalibrator
+from vllm_dartree.engine.costs import StepCosts
+
+__all__ = ["TreeBudget", "BudgetPlan"]
+
+logger = logging.getLogger("vllm.dartree")
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetPlan:
+    nodes: np.ndarray        # [R] int64, nodes each request may verify (0 = no tree)
+    depth: int               # drafter depths to compute (0 = no drafter pass)
+    rate: float              # planned tokens per second of the batch
+    explore: np.ndarray      # [R] bool, requests that verify `explore_nodes` whatever the cut
+
+
+def _curve(p: np.ndarray, depths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prefix curves of a best-first tree: gains [width + 1] (expected accepted tokens of the
+    first n nodes, marginals made non-increasing: a conservative estimate) and the prefix
+    depths [width + 1]; padded past the tree with no gain and its last depth."""
+    m = min(len(p), width)
+    gains, deep = np.zeros(width + 1), np.zeros(width + 1, dtype=np.int64)
+    if m:
+        gains[1:m + 1] = np.cumsum(np.minimum.accumulate(p[:m]))
+        deep[1:m + 1] = np.maximum.accumulate(depths[:m])
+        gains[m + 1:], deep[m + 1:] = gains[m], deep[m]
+    return gains, deep
+
+
+class TreeBudget:
+    def __init__(self, max_nodes: int, max_depth: int, explore_every: int = 16,
+                 explore_max: int = 256, explore_nodes: tuple[int, ...] = (2, 4),
+                 log_every: float = 30.0):
+        self.max_nodes, self.max_depth = max_nodes, max_depth
+        self.explore_min, self.explore_max = explore_every, explore_max
+        self.explore_every = explore_every
+        self.explore_nodes = tuple(min(n, max_nodes) for n in explore_nodes)
+        self.explore_depth = min(max_depth, 2 * max(self.explore_nodes))
+        self.never = os.environ.get("VLLM_DARTREE_PLAIN", "0") not in ("", "0")
+        self._explored = False     # the last tree step was an exploration
+        self.calibrators = {True: AcceptanceCalibrator(), False: AcceptanceCalibrator()}
+        self.costs = StepCosts()
+        self._profiles: dict[Hashable, tuple[np.ndarray, np.ndarray]] = {}  # rid -> last tree
+        self._pool: dict[bool, tuple[np.ndarray, np.ndarray]] = {}
+        self._plain_run = 0
+        self._explore_turn = 0
+        self.stats = {"steps": 0, "plain_steps": 0, "tree_steps": 0, "explore_steps": 0,
+                      "rounds": 0, "nodes": 0, "predicted_accepted": 0.0,
+                      "observed_accepted": 0.0}
+        self._log_every, self._last_log = log_every, time.monotonic()
+
+    # -- planning -------------------------------------------------------------------------
+    def batch_costs(self) -> BatchCosts:
+        a, b, f = self.costs.target_theta
+        c, d, e = self.costs.draft_theta
+        return BatchCosts(step=a, row=b, tree_step=f + c, per_request=d, per_depth=e)
+
+    def _gains(self, rid, greedy: bool, scores, depths):
+        p = self.calibrators[greedy].predict(scores, depths, rid)
+        return _curve(p, depths, self.max_nodes)
+
+    def plan(self, rids: Sequence[Hashable], greedy: Sequence[bool],
+             num_running: int) -> BudgetPlan:
+        """Nodes per request for the next step; `num_running` requests decode in it."""
+        r = len(rids)
+        gains = np.zeros((r, self.max_nodes + 1))
+        depths = np.zeros((r, self.max_nodes + 1), dtype=np.int64)
+        unknown = np.zeros(r, dtype=bool)
+        for i, (rid, g) in enumerate(zip(rids, greedy)):
+            profile = self._profiles.get(rid) or self._pool.get(g)
+            if profile is None:
+                unknown[i] = True
+                continue
+            gains[i], depths[i] = self._gains(rid, g, *profile)
+        costs = self.batch_costs()
+        # requests that decode without a drafting candidate still cost their row
+        others = max(num_running - r, 0)
+        costs = BatchCosts(step=costs.step + costs.row * others, row=costs.row,
+                           tree_step=costs.tree_step, per_request=costs.per_request,
+                           per_depth=costs.per_depth)
+        plan: Plan = plan_budgets(gains, depths, costs)
+        nodes, depth = plan.nodes.copy(), plan.depth
+        explore = unknown.copy()
+        self.stats["steps"] += 1
+        if self.never:
+            nodes[:], explore[:] = 0, False
+        elif nodes.any():
+            self.explore_every = self.explore_min      # the plan drafts by itself
+            self._explored = False
+        elif not explore.any():
+            if self._explored:                         # explored, still not worth it
+                self.explore_every = min(2 * self.explore_every, self.explore_max)
+                self._explored = False
+            self._plain_run += 1
+            if self._plain_run >= self.explore_every and r:
+                explore[self._explore_turn % r] = True
+        if explore.any():
+            size = self.explore_nodes[self._explore_turn % len(self.explore_nodes)]
+            self._explore_turn += 1
+            nodes[explore] = size
+            depth = max(depth, self.explore_depth)
+            self._explored = True
+            self.stats["explore_steps"] += 1
+        if nodes.any():
+            self._plain_run = 0
+            self.stats["tree_steps"] += 1
+            depth = min(self.max_depth, depth + 1)   # one depth more: the profile can grow
+        else:
+            self.stats["plain_steps"] += 1
+        return BudgetPlan(nodes, depth, plan.rate, explore)
+
+    def cut(self, rid, greedy: bool, scores: np.ndarray, depths: np.ndarray,
+            plan: BudgetPlan, i: int) -> int:
+        """Nodes of request i's fresh tree (best-first, scores / depths [m]) to verify."""
+        self._profiles[rid] = self._pool[greedy] = (scores, depths)
+        if plan.explore[i]:
+            return min(len(scores), int(plan.nodes[i]))
+        gains, _ = self._gains(rid, greedy, scores, depths)
+        return int(cut(gains[None], self.batch_costs().row, plan.rate,
+                       np.array([len(scores)]))[0])
+
+    # -- observations ---------------------------------------------------------------------
+    def observe_walk(self, rid, greedy: bool, scores: np.ndarray, depths: np.ndarray,
+                     accepted: Sequence[int]) -> None:
+        """A verified tree (its scheduled prefix) and the node indices the walk accepted."""
+        labels = np.zeros(len(scores), dtype=bool)
+        labels[list(accepted)] = True
+        predicted, observed = self.calibrators[greedy].update(scores, depths, labels, rid)
+        s = self.stats
+        s["rounds"] += 1
+        s["nodes"] += len(scores)
+        s["predicted_accepted"] += predicted
+        s["observed_accepted"] += observed
+
+    def observe_step(self, rows: int, tree: bool, seconds: float) -> None:
+        self.costs.observe_target(rows, int(tree), seconds)
+        self._maybe_log()
+
+    def observe_draft(self, requests: int, depths: int, seconds: float) -> None:
+        self.costs.observe_draft(requests, depths, seconds)
+
+    def free(self, rid: Hashable) -> None:
+        self._profiles.pop(rid, None)
+        for cal in self.calibrators.values():
+            cal.free(rid)
+
+    @property
+    def live_requests(self) -> int:
+        """Requests with per-request state here (0 once every request has finished)."""
+        rids = set(self._profiles)
+        for cal in self.calibrators.values():
+            rids |= cal.request_ids
+        return len(rids)
+
+    def summary(self) -> dict:
+        a, b, f = self.costs.target_theta
+        c, d, e = self.costs.draft_theta
+        out = {**self.stats, "live_requests": self.live_requests,
+               "cost_step_s": a, "cost_row_s": b, "cost_tree_step_s": f,
+               "cost_draft_s": c, "cost_draft_request_s": d, "cost_draft_depth_s": e}
+        # plain Python numbers: the RPC's serialiser takes no numpy scalars
+        return {k: v if isinstance(v, int) else float(v) for k, v in out.items()}
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < self._log_every:
+            return
+        self._last_log = now
+        s = self.stats
+        rounds = max(s["rounds"], 1)
+        logger.info("DARTree budget: %d steps, %.0f%% plain; %d trees of %.1f nodes, accepted "
+                    "per tree %.2f predicted / %.2f observed; row %.1f ms, step %.1f ms",
+                    s["steps"], 100 * s["plain_steps"] / max(s["steps"], 1), s["rounds"],
+                    s["nodes"] / rounds, s["predicted_accepted"] / rounds,
+                    s["observed_accepted"] / rounds, 1e3 * self.costs.target_theta[1],
+                    1e3 * self.costs.target_theta[0])

@@ -1,0 +1,97 @@
+"""Measured costs: how long a step takes as a function of what it verifies and drafts.
+
+The runner times every decode step of its own engine (no table typed in per machine):
+
+- target: the model forward, the walk and the rest of the step (`execute_model` +
+  `sample_tokens` minus drafting), against x = [1, rows, tree] (rows = tokens the step
+  verified: one per request plus its tree nodes; tree = 1 when the step verified trees: the
+  masks, the walk and the compaction cost something whatever the trees' size);
+- draft: the drafter's round, against x = [1, drafted requests, drafted requests x depths
+  computed] (the lm-head and the correction head run per request and depth).
+
+Each is a decayed least-squares fit (the machine is shared and its speed drifts) started from
+a weak prior: a verified row costs 1/20 of a one-request step, a draft as much as 1/2 of it.
+The prior (worth 1/20 of an observation) only decides what the data cannot (a row cost
+while every step is plain); a few measured steps outweigh it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["DecayedLeastSquares", "StepCosts"]
+
+
+class DecayedLeastSquares:
+    """y ~ x . theta with exponentially decayed sufficient statistics and a ridge prior."""
+
+    def __init__(self, prior: np.ndarray, prior_weight: float = 0.05, decay: float = 0.98):
+        self.prior = np.asarray(prior, dtype=np.float64)
+        k = len(self.prior)
+        self.decay, self.prior_weight = decay, prior_weight
+        self.xx = np.zeros((k, k))
+        self.xy = np.zeros(k)
+        self.weight = 0.0     # decayed number of observations
+        self.count = 0
+
+    def add(self, x, y: float) -> None:
+        x = np.asarray(x, dtype=np.float64)
+        self.xx = self.decay * self.xx + np.outer(x, x)
+        self.xy = self.decay * self.xy + x * float(y)
+        self.weight = self.decay * self.weight + 1.0
+        self.count += 1
+
+    def theta(self) -> np.ndarray:
+        # the prior counts as `prior_weight` observations of typical size per feature
+        typical = np.diag(self.xx) / self.weight if self.weight > 0 else np.ones(len(self.prior))
+        ridge = self.prior_weight * np.diag(np.maximum(typical, 1e-12))
+        theta = np.linalg.solve(self.xx + ridge, self.xy + ridge @ self.prior)
+        return np.maximum(theta, 0.0)    # costs never fall with more work
+
+    def __call__(self, x) -> float:
+        return float(np.asarray(x, dtype=np.float64) @ self.theta())
+
+
+class StepCosts:
+    """Seconds of a step: `target(rows)` + `draft(requests, depths)` (0 when nothing drafts)."""
+
+    def __init__(self, plain_step: float = 0.05):
+        # prior: a plain one-request step of `plain_step` s, a row 1/20 of it, a draft 1/2
+        self.target_fit = DecayedLeastSquares(np.array([plain_step, plain_step / 20,
+                                                        plain_step / 20]))
+        self.draft_fit = DecayedLeastSquares(np.array([plain_step / 4, plain_step / 8,
+                                                       plain_step / 64]))
+        self._target_theta: np.ndarray | None = None
+        self._draft_theta: np.ndarray | None = None
+
+    def observe_target(self, rows: int, tree: int, seconds: float) -> None:
+        self.target_fit.add([1.0, rows, tree], seconds)
+        self._target_theta = None
+
+    def observe_draft(self, requests: int, depths: int, seconds: float) -> None:
+        self.draft_fit.add([1.0, requests, requests * depths], seconds)
+        self._draft_theta = None
+
+    @property
+    def target_theta(self) -> np.ndarray:
+        """(seconds per step, per verified row, per step that verifies trees)."""
+        if self._target_theta is None:
+            self._target_theta = self.target_fit.theta()
+        return self._target_theta
+
+    @property
+    def draft_theta(self) -> np.ndarray:
+        """(seconds per round, per drafted request, per drafted request and depth)."""
+        if self._draft_theta is None:
+            self._draft_theta = self.draft_fit.theta()
+        return self._draft_theta
+
+    def target(self, rows: int, tree: int = 0) -> float:
+        a, b, f = self.target_theta
+        return float(a + b * rows + f * tree)
+
+    def draft(self, requests: int, depths: int) -> float:
+        if requests == 0:
+            return 0.0
+        c, d, e = self.draft_theta
+        return float(c + d * requests + e * requests * depths)
