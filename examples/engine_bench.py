@@ -9,8 +9,10 @@ concurrency level c sends the same requests c at a time and times them after a w
 Printed per method and level: output tokens/s, the ratio to plain decoding at that level,
 tau (vLLM's mean acceptance length), and the share of the wall time the dartree worker
 spent in the target's forward (`execute_model`), drafting, the tree walk and KV compaction.
-`oracle` is a drafter that knows the target's greedy continuation (tau = depth + 1): the
-ceiling that tree verification reaches in this engine when the drafter is right.
+`fixed-N` / `oracle-N` are those with a fixed budget N (`oracle-N`: the oracle's chain and
+distractors cut at N nodes, depth N / 2 at most). `oracle` is a drafter that knows the
+target's greedy continuation (tau = depth + 1, a fixed budget): the ceiling that tree verification reaches in this engine when the drafter
+is right; `oracle-adaptive` the same drafter under the adaptive budget.
 `plugin-plain` is the dartree engine with every step plain (`VLLM_DARTREE_PLAIN=1`): what
 the plugin's worker and attention cost by themselves. `ngram` is vLLM's own prompt-lookup
 speculation. `fixed` is DARTree verifying `budget` nodes every round (`adaptive: false`).
@@ -28,15 +30,20 @@ import time
 from pathlib import Path
 
 METHODS = ("plain", "dartree", "ddtree", "chain", "oracle")
-EXTRA_METHODS = ("plugin-plain", "ngram", "fixed")
+EXTRA_METHODS = ("plugin-plain", "ngram", "fixed", "oracle-adaptive")
 
 
 def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
+    """vLLM kwargs of a method; `fixed-N` / `oracle-N` are the fixed trees of budget N."""
+    name, _, size = method.partition("-")
+    budget = int(size) if size.isdigit() else args.budget
+    if size.isdigit():
+        method = name
     kw = dict(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=1024,
-              gpu_memory_utilization=0.2, max_num_seqs=max(args.concurrency), seed=0,
+              gpu_memory_utilization=0.15, max_num_seqs=max(args.concurrency), seed=0,
               disable_log_stats=False,
-              max_num_batched_tokens=max(2048, max(args.concurrency) * (args.budget + 1)))
-    tree = {"method": "dartree", "model": args.drafter, "budget": args.budget,
+              max_num_batched_tokens=max(2048, max(args.concurrency) * (budget + 1)))
+    tree = {"method": "dartree", "model": args.drafter, "budget": budget,
             "width": args.width, "topk": args.topk}
     if method in ("dartree", "ddtree", "chain"):
         kw["speculative_config"] = {**tree, "builder": method}
@@ -47,8 +54,10 @@ def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
     elif method == "ngram":
         kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram_k,
                                     "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    elif method == "oracle":
-        kw["speculative_config"] = {**tree, "model": oracle_file, "budget": 2 * args.depth,
+    elif method in ("oracle", "oracle-adaptive"):
+        kw["speculative_config"] = {**tree, "model": oracle_file,
+                                    "budget": budget if size.isdigit() else 2 * args.depth,
+                                    "adaptive": method == "oracle-adaptive",
                                     "drafter_class":
                                         "vllm_dartree.engine.drafters.OracleTreeDrafter"}
     return kw
@@ -83,8 +92,34 @@ def budget_line(level: dict) -> str:
             f"{1e3 * b['cost_draft_depth_s']:.2f}/req/depth ms")
 
 
-def worker(job_path: str) -> None:
-    """One engine: every concurrency level, timed; writes JSON next to the job."""
+PROTOCOL = "@@bench "   # the engine's replies on stdout (vLLM logs there too)
+
+
+def _run_level(llm, prompts, params, c: int, spec: bool) -> dict:
+    """Send the prompts c at a time, timed; the level's tokens/s inputs, tau and counters."""
+    before = _counters(llm)
+    budget_before = llm.collective_rpc("dartree_budget")[0] if spec else {}
+    if spec:
+        llm.collective_rpc("dartree_seconds", kwargs={"reset": True})
+    start, outputs = time.perf_counter(), []
+    for i in range(0, len(prompts), c):
+        outputs += llm.generate(prompts[i:i + c], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = _counters(llm)
+    drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get(
+        "vllm:spec_decode_num_drafts", 0)
+    accepted = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get(
+        "vllm:spec_decode_num_accepted_tokens", 0)
+    return {"seconds": seconds, "tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+            "drafts": drafts, "accepted": accepted,
+            "stages": llm.collective_rpc("dartree_seconds")[0] if spec else {},
+            "budget": _budget_delta(llm, budget_before) if spec else {},
+            "outputs": [list(o.outputs[0].token_ids) for o in outputs]}
+
+
+def serve(job_path: str) -> None:
+    """One engine, driven over stdin: a line {"concurrency": c} runs a level and answers one
+    PROTOCOL line of JSON; {"quit": true} ends it."""
     job = json.loads(Path(job_path).read_text())
     from vllm import LLM, SamplingParams
 
@@ -93,43 +128,88 @@ def worker(job_path: str) -> None:
     params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0,
                             ignore_eos=job.get("ignore_eos", True))
     llm.generate(prompts[:2], params, use_tqdm=False)     # warm-up
-    spec = job["engine"].get("speculative_config", {}).get("method") == "dartree"
-    results = {"levels": {}, "outputs": None}
-    for c in job["concurrency"]:
-        before = _counters(llm)
-        budget_before = llm.collective_rpc("dartree_budget")[0] if spec else {}
-        if spec:
-            llm.collective_rpc("dartree_seconds", kwargs={"reset": True})
-        start, outputs = time.perf_counter(), []
-        for i in range(0, len(prompts), c):
-            outputs += llm.generate(prompts[i:i + c], params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        after = _counters(llm)
-        drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get(
-            "vllm:spec_decode_num_drafts", 0)
-        accepted = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get(
-            "vllm:spec_decode_num_accepted_tokens", 0)
-        stages = llm.collective_rpc("dartree_seconds")[0] if spec else {}
-        budget = _budget_delta(llm, budget_before) if spec else {}
-        results["levels"][str(c)] = {
-            "seconds": seconds, "tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
-            "tau": 1 + accepted / drafts if drafts else None, "stages": stages,
-            "budget": budget}
-        results["outputs"] = [list(o.outputs[0].token_ids) for o in outputs]
-    Path(job_path).with_suffix(".out.json").write_text(json.dumps(results))
+    spec = (job["engine"].get("speculative_config") or {}).get("method") == "dartree"
+    print(PROTOCOL + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("quit"):
+            break
+        level_params = params
+        if "max_tokens" in command:
+            level_params = SamplingParams(max_tokens=int(command["max_tokens"]),
+                                          temperature=0.0, ignore_eos=params.ignore_eos)
+        level = _run_level(llm, prompts, level_params, int(command["concurrency"]), spec)
+        print(PROTOCOL + json.dumps(level), flush=True)
 
 
-def run_engine(job: dict, workdir: Path, name: str, env: dict | None = None) -> dict:
-    path = workdir / f"{name}.json"
-    path.write_text(json.dumps(job))
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get(
-        "VLLM_CPU_OMP_THREADS_BIND", "nobind"), TOKENIZERS_PARALLELISM="false", **(env or {}))
-    print(f"[{name}] engine running ...", flush=True)
-    proc = subprocess.run([sys.executable, __file__, "--worker", str(path)], env=env,
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"[{name}] failed:\n{proc.stderr[-4000:]}")
-    return json.loads(path.with_suffix(".out.json").read_text())
+class EngineSession:
+    """An engine process kept alive between levels, so that every method's levels can be
+    interleaved: the machine's drift (shared, noisy) then hits all methods alike."""
+
+    def __init__(self, name: str, job: dict, workdir: Path, env: dict | None = None):
+        self.name = name
+        path = workdir / f"{name}.json"
+        path.write_text(json.dumps(job))
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get(
+            "VLLM_CPU_OMP_THREADS_BIND", "nobind"), TOKENIZERS_PARALLELISM="false",
+            **(env or {}))
+        self.log = open(workdir / f"{name}.log", "w")
+        print(f"[{name}] starting the engine ...", flush=True)
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", str(path)], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True)
+        self._reply()
+
+    def _reply(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(PROTOCOL):
+                return json.loads(line[len(PROTOCOL):])
+        self.log.flush()
+        tail = Path(self.log.name).read_text()[-4000:]
+        raise SystemExit(f"[{self.name}] the engine stopped:\n{tail}")
+
+    def run(self, concurrency: int, max_tokens: int | None = None) -> dict:
+        command = {"concurrency": concurrency}
+        if max_tokens is not None:
+            command["max_tokens"] = max_tokens
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=120)
+        self.log.close()
+
+
+def run_interleaved(sessions: dict[str, EngineSession], levels: list[int],
+                    repeats: int = 2) -> dict:
+    """Every (method, level) `repeats` times, methods in rotating order inside each level;
+    per method and level the summed tokens and seconds, tau, the stages and budget counters
+    of the last repeat, and the outputs (checked identical across repeats)."""
+    names = list(sessions)
+    results = {n: {"levels": {}, "outputs": None} for n in names}
+    for rep in range(repeats):
+        for c in levels:
+            order = names[rep % len(names):] + names[:rep % len(names)]
+            for name in order:
+                time.sleep(1.5)   # the last engine's workers stop spinning after 1 s idle
+                lv = sessions[name].run(c)
+                acc = results[name]["levels"].setdefault(
+                    str(c), {"seconds": 0.0, "tokens": 0, "drafts": 0, "accepted": 0})
+                for key in ("seconds", "tokens", "drafts", "accepted"):
+                    acc[key] += lv[key]
+                acc["tau"] = 1 + acc["accepted"] / acc["drafts"] if acc["drafts"] else None
+                acc["stages"], acc["budget"] = lv["stages"], lv["budget"]
+                acc["stage_seconds"] = lv["seconds"]
+                if results[name]["outputs"] is not None and \
+                        results[name]["outputs"] != lv["outputs"]:
+                    raise SystemExit(f"[{name}] outputs changed between runs: a bug")
+                results[name]["outputs"] = lv["outputs"]
+            print(f"  repeat {rep + 1}/{repeats}, concurrency {c}: done", flush=True)
+    return results
 
 
 def _prompts(args) -> list[list[int]]:
@@ -154,7 +234,9 @@ def _prompts(args) -> list[list[int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="interleaved repeats of every (method, level)")
     parser.add_argument("--target", help="target model folder (default: tiny random Qwen3)")
     parser.add_argument("--drafter", help="drafter folder (default: tiny random Domino)")
     parser.add_argument("--prompts", help="JSONL file with {'prompt': text} lines")
@@ -175,8 +257,8 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=8, help="oracle tree depth")
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
-    if args.worker:
-        return worker(args.worker)
+    if args.serve:
+        return serve(args.serve)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     methods = args.methods.split(",")
     workdir = Path(tempfile.mkdtemp(prefix="dartree-bench-"))
@@ -192,33 +274,39 @@ def main() -> None:
     elif not args.drafter and set(methods) - {"plain", "oracle"}:
         raise SystemExit("--drafter is required with --target (or use --methods plain,oracle)")
     prompts = _prompts(args)
-    results = {}
     oracle_file = workdir / "oracle-table.json"
-    for method in ["plain"] + [m for m in methods if m != "plain"]:
-        job = {"engine": _engine_kwargs(args, method, str(oracle_file)), "prompts": prompts,
-               "max_tokens": args.max_tokens + (args.depth + 1 if method == "plain" else 0),
-               "concurrency": args.concurrency}
-        env = {"VLLM_DARTREE_PLAIN": "1"} if method == "plugin-plain" else None
-        results[method] = run_engine(job, workdir, method, env)
-        if method == "plain":
+    job = lambda m: {"engine": _engine_kwargs(args, m, str(oracle_file)),  # noqa: E731
+                     "prompts": prompts, "max_tokens": args.max_tokens}
+    sessions = {"plain": EngineSession("plain", job("plain"), workdir)}
+    try:
+        if any(m.startswith("oracle") for m in methods):   # the target's own continuations
+            table = sessions["plain"].run(max(args.concurrency), args.max_tokens + args.depth + 1)
             oracle_file.write_text(json.dumps({"depth": args.depth, "continuations": [
-                [p, o] for p, o in zip(prompts, results["plain"]["outputs"])]}))
-            for level in results["plain"]["levels"].values():   # count the first max_tokens
-                level["tokens"] = level["tokens"] * args.max_tokens / (args.max_tokens +
-                                                                       args.depth + 1)
+                [p, o] for p, o in zip(prompts, table["outputs"])]}))
+        for m in methods:
+            if m != "plain":
+                env = {"VLLM_DARTREE_PLAIN": "1"} if m == "plugin-plain" else None
+                sessions[m] = EngineSession(m, job(m), workdir, env)
+        results = run_interleaved(sessions, args.concurrency, args.repeats)
+    finally:
+        for session in sessions.values():
+            session.close()
+    for m in methods:
+        if results[m]["outputs"] != results["plain"]["outputs"]:
+            print(f"WARNING: {m}'s outputs differ from plain decoding's", flush=True)
     print(f"\nvLLM {args.dtype} on CPU, {len(prompts)} requests x {args.max_tokens} tokens, "
           f"tree budget {args.budget} (oracle {2 * args.depth}), width {args.width}, "
           f"top-k {args.topk}")
     print(f"{'method':<9} {'conc':>4} {'tok/s':>8} {'vs plain':>8} {'tau':>6}  time in the "
           "dartree worker")
-    for method in methods:
+    for method in ["plain"] + [m for m in methods if m != "plain"]:
         for c in args.concurrency:
             lv = results[method]["levels"][str(c)]
             base = results["plain"]["levels"][str(c)]
             rate = lv["tokens"] / lv["seconds"]
             ratio = rate / (base["tokens"] / base["seconds"])
             tau = f"{lv['tau']:.2f}" if lv["tau"] else "-"
-            stages = ", ".join(f"{k} {lv['stages'][k] / lv['seconds']:.0%}"
+            stages = ", ".join(f"{k} {lv['stages'][k] / lv['stage_seconds']:.0%}"
                                for k in ("target", "draft", "walk", "compaction")
                                if k in lv["stages"])
             print(f"{method:<9} {c:>4} {rate:>8.1f} {ratio:>7.2f}x {tau:>6}  {stages}")

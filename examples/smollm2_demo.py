@@ -7,10 +7,13 @@
    registry, converted once, cached);
 2. takes the drafter shipped for it (`vllm_dartree/zoo/drafters/`);
 3. reads a few prompts of GSM8K, HumanEval and MT-Bench (`vllm_dartree.bench.datasets`);
-4. runs them in vLLM twice, each engine in its own process: plain decoding, then
-   `speculative_config={"method": "dartree", ...}` (the plugin); greedy, so the answers
-   must be identical token for token;
-5. prints the answers and, per concurrency, tokens/s of both, the ratio and tau.
+4. runs them in vLLM, each engine in its own process (all alive at once, every level run
+   by each in turn, so the machine's drift hits them alike): plain decoding; DARTree with its
+   defaults (the adaptive budget); DARTree verifying a fixed `--budget` tree every round
+   (`adaptive: false`); and vLLM's own `ngram` speculation (what a user would pick
+   instead); greedy, so every answer must be identical token for token;
+5. prints the answers and, per concurrency, tokens/s of each, the ratio to plain and tau,
+   and what the adaptive budget did (share of plain steps, predicted vs observed accepted).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_bench import budget_line, run_engine  # noqa: E402
+from engine_bench import EngineSession, budget_line, run_interleaved  # noqa: E402
 
 
 def main() -> None:
@@ -31,8 +34,12 @@ def main() -> None:
     parser.add_argument("--datasets", default="gsm8k,humaneval,mt-bench")
     parser.add_argument("--per-dataset", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--concurrency", default="1,4")
-    parser.add_argument("--budget", type=int, default=64)
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--budget", type=int, default=64, help="the fixed tree's budget "
+                        "(and the adaptive one's maximum)")
+    parser.add_argument("--methods", default="plain,dartree,fixed,ngram")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="interleaved repeats of every (method, level)")
     parser.add_argument("--show", type=int, default=3, help="answers to print")
     args = parser.parse_args()
 
@@ -51,35 +58,54 @@ def main() -> None:
     prompts = [chat_prompt_ids(tokenizer, q.prompt) for q in questions]
     levels = [int(c) for c in args.concurrency.split(",")]
     engine = dict(model=str(target), dtype="float32", enforce_eager=True, max_model_len=1024,
-                  gpu_memory_utilization=0.2, max_num_seqs=max(levels), seed=0,
+                  gpu_memory_utilization=0.15, max_num_seqs=max(levels), seed=0,
                   disable_log_stats=False,
                   max_num_batched_tokens=max(2048, max(levels) * (args.budget + 1)))
     tree = {"method": "dartree", "model": str(drafter), "budget": args.budget}
+    specs = {"plain": None, "dartree": tree, "fixed": {**tree, "adaptive": False},
+             "ngram": {"method": "ngram", "num_speculative_tokens": 4,
+                       "prompt_lookup_min": 2, "prompt_lookup_max": 4}}
+    methods = ["plain"] + [m for m in args.methods.split(",") if m != "plain"]
     workdir = Path(tempfile.mkdtemp(prefix="dartree-demo-"))
-    results = {}
-    for name, extra in (("plain", {}), ("dartree", {"speculative_config": tree})):
-        job = {"engine": {**engine, **extra}, "prompts": prompts, "max_tokens": args.max_tokens,
-               "concurrency": levels, "ignore_eos": False}
-        results[name] = run_engine(job, workdir, name)
+    sessions = {}
+    try:
+        for name in methods:
+            extra = {} if specs[name] is None else {"speculative_config": specs[name]}
+            job = {"engine": {**engine, **extra}, "prompts": prompts,
+                   "max_tokens": args.max_tokens, "ignore_eos": False}
+            sessions[name] = EngineSession(name, job, workdir)
+        results = run_interleaved(sessions, levels, args.repeats)
+    finally:
+        for session in sessions.values():
+            session.close()
 
-    plain, dart = results["plain"]["outputs"], results["dartree"]["outputs"]
-    for q, out in list(zip(questions, dart))[:args.show]:
+    plain = results["plain"]["outputs"]
+    for q, out in list(zip(questions, results[methods[-1]]["outputs"]))[:args.show]:
         print(f"\n--- {q.dataset} {q.id}\n>>> {q.prompt[:300]}")
         print(tokenizer.decode(out, skip_special_tokens=True).strip())
-    same = sum(a == b for a, b in zip(plain, dart))
-    print(f"\nanswers identical to plain decoding: {same}/{len(plain)}")
-    print(f"\nvLLM (CPU, float32), {len(prompts)} prompts, up to {args.max_tokens} tokens, "
-          f"tree budget {args.budget}")
-    print(f"{'conc':>4} {'plain tok/s':>12} {'dartree tok/s':>14} {'ratio':>6} {'tau':>6}")
+    differ = []
+    for name in methods[1:]:
+        same = sum(a == b for a, b in zip(plain, results[name]["outputs"]))
+        print(f"\n{name}: answers identical to plain decoding: {same}/{len(plain)}", end="")
+        if same != len(plain):
+            differ.append(name)
+    print(f"\n\nvLLM (CPU, float32), {len(prompts)} prompts, up to {args.max_tokens} tokens; "
+          f"dartree = adaptive budget (at most {args.budget}), fixed = {args.budget} nodes "
+          "every round, ngram = vLLM's prompt lookup (4 tokens)")
+    print(f"{'method':<8} {'conc':>4} {'tok/s':>8} {'vs plain':>8} {'tau':>6}")
     for c in levels:
-        p, d = results["plain"]["levels"][str(c)], results["dartree"]["levels"][str(c)]
-        rp, rd = p["tokens"] / p["seconds"], d["tokens"] / d["seconds"]
-        tau = f"{d['tau']:.2f}" if d["tau"] else "-"
-        print(f"{c:>4} {rp:>12.1f} {rd:>14.1f} {rd / rp:>5.2f}x {tau:>6}")
-        if budget_line(d):
-            print(f"     {budget_line(d)}")
-    if same != len(plain):
-        raise SystemExit("DARTree changed the output: this is a bug, please report it")
+        p = results["plain"]["levels"][str(c)]
+        rp = p["tokens"] / p["seconds"]
+        for name in methods:
+            d = results[name]["levels"][str(c)]
+            rd = d["tokens"] / d["seconds"]
+            tau = f"{d['tau']:.2f}" if d.get("tau") else "-"
+            print(f"{name:<8} {c:>4} {rd:>8.1f} {rd / rp:>7.2f}x {tau:>6}")
+            if name == "dartree" and budget_line(d):
+                print(f"{'':<14} {budget_line(d)}")
+    if differ:
+        raise SystemExit(f"{', '.join(differ)} changed the output: this is a bug, please "
+                         "report it")
 
 
 if __name__ == "__main__":

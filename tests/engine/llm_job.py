@@ -5,7 +5,7 @@
 job.json: {"engine": {LLM kwargs}, "batches": [{"prompts": [[ids...], ...],
 "params": [{SamplingParams kwargs}, ...]}, ...]}. The output lists, per batch and request,
 the token ids, the finish reason and vLLM's per-request spec-decode metrics, plus the
-engine's spec-decode counters. One engine per process keeps tests independent of vLLM's
+engine's spec-decode counters (and, with dartree, the adaptive budget's). One engine per process keeps tests independent of vLLM's
 teardown.
 """
 
@@ -38,6 +38,9 @@ def main() -> None:
         elif wanted and hasattr(metric, "values"):
             counters[metric.name] = list(metric.values)
     result["counters"] = counters
+    spec = job["engine"].get("speculative_config") or {}
+    if spec.get("method") == "dartree":   # the adaptive budget's counters ({} when off)
+        result["budget"] = llm.collective_rpc("dartree_budget")[0]
     open(sys.argv[2], "w").write(json.dumps(result))
 
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from vllm_dartree.engine.budget import BatchCosts, cut, plan_budgets, throughput
 from vllm_dartree.engine.calibration import AcceptanceCalibrator, isotonic_increasing
+from vllm_dartree.engine.controller import TreeBudget
 from vllm_dartree.engine.costs import DecayedLeastSquares, StepCosts
 
 
@@ -113,5 +114,50 @@ def test_cost_fits_recover_linear_costs():
         costs.observe_draft(r, d, 0.01 + 0.002 * r + 0.0015 * r * d + gen.normal(0, 0.001))
     assert costs.target_theta == pytest.approx([0.07, 0.003, 0.01], abs=2e-3)
     assert costs.draft_theta == pytest.approx([0.01, 0.002, 0.0015], abs=1e-3)
-    fit = DecayedLeastSquares(np.array([1.0, 1.0]))
+    fit = DecayedLeastSquares(np.array([1.0, 1.0]), warmup=0)
     assert fit.theta() == pytest.approx([1.0, 1.0])     # no data: the prior
+
+
+def _walk_round(budget, rids, accept: bool):
+    """Plan, 'draft' a fixed 6-node chain per drafted request, cut, verify (all or none)."""
+    plan = budget.plan(rids, [True] * len(rids), len(rids))
+    scores, depths = -0.3 * np.arange(1, 7), np.arange(1, 7)
+    for i, rid in enumerate(rids):
+        if plan.nodes[i]:
+            n = budget.cut(rid, True, scores, depths, plan, i)
+            budget.observe_walk(rid, True, scores[:n], depths[:n],
+                                list(range(n)) if accept else [])
+    return plan
+
+
+def test_tree_budget_explores_then_backs_off_when_drafts_fail():
+    budget = TreeBudget(max_nodes=6, max_depth=6, explore_every=4, explore_max=16)
+    budget.costs = StepCosts(plain_step=0.05)
+    first = _walk_round(budget, ["a", "b"], accept=False)
+    assert first.explore.all() and first.depth > 0          # nothing known: explore
+    gaps, last = [], 0
+    for step in range(1, 80):
+        if _walk_round(budget, ["a", "b"], accept=False).nodes.any():
+            gaps.append(step - last)
+            last = step
+    # each failed exploration doubles the run of plain steps before the next: 8, then 16 (cap)
+    assert gaps[0] == 8 and set(gaps[1:]) == {16}
+    assert budget.stats["explore_steps"] == budget.stats["tree_steps"]
+    budget.free("a"), budget.free("b")
+    assert budget.live_requests == 0
+
+
+def test_tree_budget_drafts_when_drafts_are_accepted():
+    budget = TreeBudget(max_nodes=6, max_depth=6)
+    budget.costs = StepCosts(plain_step=0.05)
+    for _ in range(40):
+        plan = _walk_round(budget, ["a"], accept=True)
+    assert plan.nodes[0] == 6 and not plan.explore.any()
+    assert budget.stats["plain_steps"] == 0
+
+
+def test_plain_switch(monkeypatch):
+    monkeypatch.setenv("VLLM_DARTREE_PLAIN", "1")
+    budget = TreeBudget(max_nodes=6, max_depth=6, explore_every=1)
+    for _ in range(5):
+        assert not _walk_round(budget, ["a"], accept=True).nodes.any()

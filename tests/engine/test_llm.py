@@ -94,8 +94,8 @@ def test_dartree_greedy_equals_plain_one_seq_and_matches_reference(tiny, plain, 
                                                                    tmp_path):
     """max_num_seqs 1, and the reference decoder's outputs and per-round accepted lengths."""
     subset = prompts
-    engine = engine_kwargs(tiny["target"], max_num_seqs=1,
-                           speculative_config=dartree_spec(tiny["drafter"]),
+    engine = engine_kwargs(tiny["target"], max_num_seqs=1,   # the reference's fixed trees
+                           speculative_config=dartree_spec(tiny["drafter"], adaptive=False),
                            per_request_spec_decode_metrics="detailed")
     got = run_job(tmp_path, engine, [{"prompts": subset, "params": _greedy(subset)}])
     batch = got["batches"][0]
@@ -146,7 +146,7 @@ def test_oracle_drafter_reaches_full_depth(tiny, plain, oracle_prompts, tmp_path
     for i in range(0, len(params), 3):   # a stop token that appears inside the output
         params[i]["stop_token_ids"] = [table[i][1][min(5, params[i]["max_tokens"] - 2)]]
     spec = dartree_spec(oracle, drafter_class="vllm_dartree.engine.drafters.OracleTreeDrafter",
-                        budget=2 * ORACLE_DEPTH)
+                        budget=2 * ORACLE_DEPTH, adaptive=False)
     got = run_job(tmp_path, engine_kwargs(tiny["target"], max_num_seqs=4,
                                           speculative_config=spec),
                   [{"prompts": oracle_prompts, "params": params}],
@@ -191,3 +191,15 @@ def test_sampled_tokens_follow_the_target(plain, dartree8, position):
     table = [row for row in zip(*table) if sum(row)]
     assert len(table) >= 3, "too few distinct tokens for a distribution test"
     assert chi2_contingency(list(zip(*table))).pvalue > 1e-3
+
+
+def test_adaptive_budget_plain_steps_skip_the_drafter(plain, dartree8):
+    """With the default adaptive budget and a drafter whose trees are never accepted (tiny
+    random weights), most steps are plain and run no drafter pass at all; the output is
+    still plain decoding's (test_dartree_greedy_equals_plain_batched), and the calibration
+    predicts the (zero) acceptance it sees."""
+    b = dartree8["budget"]
+    assert b["steps"] > 0 and b["plain_steps"] > 0.5 * b["steps"]
+    assert b["draft_passes"] == b["tree_steps"] < b["steps"]
+    assert b["rounds"] > 0 and b["observed_accepted"] <= b["rounds"] * 0.2
+    assert b["live_requests"] == 0, "per-request budget state outlived its requests"

@@ -25,7 +25,8 @@ __all__ = ["DecayedLeastSquares", "StepCosts"]
 class DecayedLeastSquares:
     """y ~ x . theta with exponentially decayed sufficient statistics and a ridge prior."""
 
-    def __init__(self, prior: np.ndarray, prior_weight: float = 0.05, decay: float = 0.98):
+    def __init__(self, prior: np.ndarray, prior_weight: float = 0.05, decay: float = 0.98,
+                 warmup: int = 3, clip: float = 4.0):
         self.prior = np.asarray(prior, dtype=np.float64)
         k = len(self.prior)
         self.decay, self.prior_weight = decay, prior_weight
@@ -33,9 +34,21 @@ class DecayedLeastSquares:
         self.xy = np.zeros(k)
         self.weight = 0.0     # decayed number of observations
         self.count = 0
+        # the first calls of a fresh process pay one-time costs (allocations, lazy
+        # initialisation); later outliers (a preempted process) are clipped to `clip` times
+        # the current fit, so one bad second cannot make drafting look dear for minutes
+        self.warmup, self.clip = warmup, clip
+        self._seen = 0
 
     def add(self, x, y: float) -> None:
         x = np.asarray(x, dtype=np.float64)
+        self._seen += 1
+        if self._seen <= self.warmup:
+            return
+        if self.count >= 10:
+            fit = float(x @ self.theta())
+            if fit > 0:
+                y = min(max(float(y), fit / self.clip), fit * self.clip)
         self.xx = self.decay * self.xx + np.outer(x, x)
         self.xy = self.decay * self.xy + x * float(y)
         self.weight = self.decay * self.weight + 1.0

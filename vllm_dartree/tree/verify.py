@@ -99,20 +99,23 @@ def sample_target_tokens(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     generators: Sequence[torch.Generator | None] | None = None,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One target sample per column: logits [R, T, V] -> [R, T] int64.
 
     temperature [R] float (0 = greedy for that request), top_k [R] int64 (0 or >= V: off),
     top_p [R] float (1.0: off). Sampling is argmax(probs / E) with E ~ Exp(1) i.i.d., which
     draws exactly from probs without a host sync. `generators[r]` seeds request r's noise;
-    requests with None (or no list at all) use the global generator.
+    requests with None (or no list at all) use the global generator; `noise` [R, T, V]
+    (i.i.d. Exp(1)) replaces the draws altogether (position-keyed noise, see the runner).
     """
     greedy = logits.argmax(dim=-1)
     scaled = logits.float() / temperature.clamp(min=1e-6).float()[:, None, None]
     if top_k is not None or top_p is not None:
         scaled = _top_k_top_p(scaled, top_k, top_p)
     probs = torch.softmax(scaled, dim=-1)
-    noise = _exponential_noise(probs, generators)
+    if noise is None:
+        noise = _exponential_noise(probs, generators)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(temperature[:, None] > 0, sampled, greedy)
 

@@ -1,0 +1,121 @@
+"""`DraftingMixin`: the runner's drafting stage (stage 6 of a round) and the budget's cut.
+
+The target's aux hidden states of every committed row (prompt chunks, root, accepted nodes)
+extend each request's drafter context; the adaptive budget (`engine.controller`) says who
+drafts and how deep (nobody: a plain step, no drafter pass); one batched draft builds the
+trees; each is cut to the prefix its nodes earn; their tokens go to the scheduler, their
+shape stays in `_dt_trees` until the scheduler hands the prefix back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from vllm_dartree.engine.controller import TreeBudget
+from vllm_dartree.engine.tree_inputs import StoredTree
+
+__all__ = ["DraftingMixin"]
+
+logger = logging.getLogger("vllm.dartree")
+
+
+class DraftingMixin:
+    """Drafting for `DARTreeRunnerMixin` (uses its `_dt_step`, `_dt_trees`, `_dt_broken`)."""
+
+    def propose_draft_token_ids(self, *args, **kwargs):
+        start = time.perf_counter()
+        with self._dt_timed("draft"):
+            out = self._dt_propose(*args, **kwargs)
+        if len(self._dt_clock) == 2:
+            self._dt_clock[1] += time.perf_counter() - start
+        return out
+
+    def _dt_propose(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                    hidden_states, sample_hidden_states, aux_hidden_states,
+                    spec_decode_metadata, common_attn_metadata, slot_mappings):
+        step, self._dt_step = self._dt_step, None
+        num_reqs = self.input_batch.num_reqs
+        out: list[list[int]] = [[] for _ in range(num_reqs)]
+        if step is None or aux_hidden_states is None:
+            return out
+        drafter = self._dt_drafter
+        features = torch.cat(list(aux_hidden_states), dim=-1)
+        no_drafts = self._dt_full_sampler_batch(step)
+        accepted = step.accepted or [[] for _ in step.req_ids]
+        ext_ids, ext_tokens, ext_feats = [], [], []
+        draft_rows, roots = [], []
+        token_ids = self.input_batch.token_ids_cpu
+        for i, rid in enumerate(step.req_ids):
+            p0, start = int(step.p0[i]), int(step.starts[i])
+            committed_rows = int(step.rows[i]) - len(step.drafts[i])
+            rows = list(range(start, start + committed_rows))
+            rows += [start + committed_rows + node for node in accepted[i]]
+            have = drafter.length(rid)
+            if have > p0:                       # re-prefill after preemption: rewind
+                drafter.trim(rid, p0)
+            elif have < p0 and rid not in self._dt_broken:
+                # context the drafter never saw (e.g. a prefix-cache hit): plain decoding
+                self._dt_broken.add(rid)
+                logger.warning("dartree: request %s has no drafter context for its first %d "
+                               "tokens; it decodes without speculation", rid, p0)
+            if rid in self._dt_broken:
+                continue
+            ext_ids.append(rid)
+            ext_tokens.append(token_ids[i, p0:p0 + len(rows)].tolist())
+            ext_feats.append(features[torch.tensor(rows, device=features.device)])
+            sampled = sampled_token_ids[i] if i < len(sampled_token_ids) else []
+            if sampled and not no_drafts:
+                draft_rows.append(i)
+                roots.append(int(sampled[-1]))
+        if ext_ids:
+            drafter.extend(ext_ids, ext_tokens, ext_feats)
+        if not draft_rows:
+            return out
+        rids = [step.req_ids[i] for i in draft_rows]
+        greedy = [self._dt_greedy(rid) for rid in rids]
+        budget = self._dt_budget_for(drafter)
+        plan = None
+        if budget is not None:   # adaptive: who drafts, and how deep (none: a plain step)
+            plan = budget.plan(rids, greedy, num_reqs)
+            keep = [j for j in range(len(rids)) if plan.nodes[j] > 0]
+            if not keep:
+                return out
+            draft_rows, rids, roots, greedy = ([xs[j] for j in keep]
+                                               for xs in (draft_rows, rids, roots, greedy))
+            plan_index = keep
+        start = time.perf_counter()
+        trees = drafter.draft(rids, torch.tensor(roots, device=features.device),
+                              num_depths=None if plan is None else plan.depth)
+        counts = trees.num_nodes.tolist()
+        tokens, parents, depths = (trees.tokens.cpu(), trees.parents.cpu(), trees.depths.cpu())
+        scores = trees.scores.cpu().double().numpy()
+        if budget is not None:
+            budget.observe_draft(len(rids), plan.depth, time.perf_counter() - start)
+            budget.stats["draft_passes"] += 1
+        # vLLM's per-position counters and rejection buffers hold num_speculative_tokens
+        # drafts: never hand the scheduler more (a prefix of a tree is a tree).
+        limit = int(getattr(self.speculative_config, "num_speculative_tokens", None)
+                    or self.dartree.config.budget)
+        for j, (i, rid) in enumerate(zip(draft_rows, rids)):
+            n = min(int(counts[j]), limit)
+            if plan is not None and n:
+                n = budget.cut(rid, greedy[j], scores[j, :n], depths[j, :n].numpy(), plan,
+                               plan_index[j])
+            if n == 0:
+                continue
+            draft = tokens[j, :n].tolist()
+            self._dt_trees[rid] = StoredTree(draft, parents[j, :n].clone(),
+                                              depths[j, :n].clone(), scores[j, :n].copy())
+            out[i] = draft
+        return out
+
+    def _dt_budget_for(self, drafter) -> TreeBudget | None:
+        """The adaptive budget (None with `adaptive: false`), made once the drafter is known."""
+        if not self.dartree.config.adaptive:
+            return None
+        if self._dt_budget is None:
+            self._dt_budget = TreeBudget(self.dartree.config.budget, drafter.num_depths)
+        return self._dt_budget
