@@ -169,9 +169,11 @@ class TreeSamplerMixin:
                                 else list(range(1, n + 1)))
                 noise = position_noise(sp.seed, [int(step.p0[i]) + d for d in depths],
                                        logits.shape[-1], dev)[None]
+            # top-k / top-p only when asked for: they sort the vocabulary of every row
+            k = torch.tensor([top_k], device=dev) if top_k else None
+            p = torch.tensor([float(sp.top_p)], device=dev) if sp.top_p < 1.0 else None
             tokens[lo:hi] = sample_target_tokens(
-                logits[lo:hi][None], torch.tensor([float(sp.temperature)], device=dev),
-                torch.tensor([top_k], device=dev), torch.tensor([float(sp.top_p)], device=dev),
+                logits[lo:hi][None], torch.tensor([float(sp.temperature)], device=dev), k, p,
                 [generators.get(i)], noise=noise)[0]
         return tokens
 
