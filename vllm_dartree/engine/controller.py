@@ -179,6 +179,7 @@ class TreeBudget:
 
     def observe_draft(self, requests: int, depths: int, seconds: float) -> None:
         self.costs.observe_draft(requests, depths, seconds)
+        self.stats["draft_passes"] += 1
 
     def free(self, rid: Hashable) -> None:
         self._profiles.pop(rid, None)

@@ -61,12 +61,9 @@ class DecayedLeastSquares:
         theta = np.linalg.solve(self.xx + ridge, self.xy + ridge @ self.prior)
         return np.maximum(theta, 0.0)    # costs never fall with more work
 
-    def __call__(self, x) -> float:
-        return float(np.asarray(x, dtype=np.float64) @ self.theta())
-
 
 class StepCosts:
-    """Seconds of a step: `target(rows)` + `draft(requests, depths)` (0 when nothing drafts)."""
+    """The two fits of a worker: a step without drafting, and the drafter's round."""
 
     def __init__(self, plain_step: float = 0.05):
         # prior: a plain one-request step of `plain_step` s, a row 1/20 of it, a draft 1/2
@@ -98,13 +95,3 @@ class StepCosts:
         if self._draft_theta is None:
             self._draft_theta = self.draft_fit.theta()
         return self._draft_theta
-
-    def target(self, rows: int, tree: int = 0) -> float:
-        a, b, f = self.target_theta
-        return float(a + b * rows + f * tree)
-
-    def draft(self, requests: int, depths: int) -> float:
-        if requests == 0:
-            return 0.0
-        c, d, e = self.draft_theta
-        return float(c + d * requests + e * requests * depths)

@@ -94,7 +94,6 @@ class DraftingMixin:
         scores = trees.scores.cpu().double().numpy()
         if budget is not None:
             budget.observe_draft(len(rids), plan.depth, time.perf_counter() - start)
-            budget.stats["draft_passes"] += 1
         # vLLM's per-position counters and rejection buffers hold num_speculative_tokens
         # drafts: never hand the scheduler more (a prefix of a tree is a tree).
         limit = int(getattr(self.speculative_config, "num_speculative_tokens", None)
