@@ -1,11 +1,16 @@
 """Engine pieces without an engine: config translation and start-up refusals, the CPU
 tree-attention backend against the paged reference, KV writes and compaction, tree metrics."""
 
+import shutil
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.engine.conftest import dartree_spec
 from vllm_dartree.attention import PagedBatch, paged_attention_reference
+from vllm_dartree.engine import cpu_attention, cpu_kernel
 from vllm_dartree.engine.cpu_attention import (
     DARTreeCPUAttentionImpl,
     DARTreeCPUMetadata,
@@ -77,9 +82,23 @@ def _random_tree(n, gen):
     return torch.tensor(parents)
 
 
+@pytest.fixture(params=["sdpa", "kernel"])
+def attention_path(request, monkeypatch):
+    """The CPU backend's torch (SDPA) path, or the compiled kernel for every request it can
+    take (rows <= 80 instead of the default 4, so trees go through it too)."""
+    if request.param == "sdpa":
+        monkeypatch.setattr(cpu_kernel, "load", lambda: None)
+    else:
+        if shutil.which("c++") is None:
+            pytest.skip("no C++ compiler: the kernel cannot be built here")
+        assert cpu_kernel.load() is not None, "a compiler is here, yet the kernel did not build"
+        monkeypatch.setattr(cpu_attention, "KERNEL_MAX_ROWS", 80)
+    return request.param
+
+
 @pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("chunk", [20, 90])   # a prompt chunk in the padded batch or alone
-def test_tree_attention_equals_paged_reference(group, chunk):
+def test_tree_attention_equals_paged_reference(group, chunk, attention_path):
     """Mixed batch (decode row, prefill chunk, tree) over a paged cache, GQA or not."""
     gen = torch.Generator().manual_seed(0)
     kvh, d, bs, nb = 2, 32, 32, 12
@@ -107,6 +126,55 @@ def test_tree_attention_equals_paged_reference(group, chunk):
                        torch.tensor([False, False, True]), bits)
     want = paged_attention_reference(q, k_cache.contiguous(), v_cache.contiguous(), batch, 0.3)
     torch.testing.assert_close(out.reshape(t, nh, d), want, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), requests=st.integers(1, 5), group=st.sampled_from([1, 3]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_cpu_kernel_equals_the_sdpa_path(seed, requests, group, dtype):
+    """The compiled kernel against the SDPA path on random batches: decode rows, causal
+    chunks and trees of random shapes, random paged tables, GQA groups, fp32 and bf16."""
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: the kernel cannot be built here")
+    module = cpu_kernel.load()
+    assert module is not None
+    gen = torch.Generator().manual_seed(seed)
+    kvh, d, bs = 2, 16, 8
+    nh = kvh * group
+    q_lens = [int(torch.randint(1, 12, (1,), generator=gen)) for _ in range(requests)]
+    seq_lens = [q + int(torch.randint(0, 30, (1,), generator=gen)) for q in q_lens]
+    trees = [bool(torch.rand(1, generator=gen) < 0.5) for _ in range(requests)]
+    per = -(-max(seq_lens) // bs)
+    nb = requests * per + 3
+    kv = torch.randn(nb, kvh, bs, 2 * d, generator=gen).to(dtype)
+    table = torch.randperm(nb, generator=gen)[:requests * per].reshape(requests, per).int()
+    qmax = max(q_lens)
+    bits = torch.zeros(requests, qmax, 1, dtype=torch.int32)
+    for r, q in enumerate(q_lens):
+        if trees[r]:
+            bits[r, :q] = mask_to_bitmask(ancestor_mask(_random_tree(q - 1, gen)[None])
+                                          if q > 1 else torch.ones(1, 1, 1, dtype=torch.bool))[0]
+    t = sum(q_lens)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(t, nh, d, generator=gen).to(dtype)
+    outs = []
+    for use in (False, True):
+        md = DARTreeCPUMetadata(num_actual_tokens=t, max_query_len=qmax, query_start_loc=qsl,
+                                max_seq_len=max(seq_lens),
+                                seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                                block_table=table, slot_mapping=torch.zeros(t, dtype=torch.long),
+                                is_tree=trees if any(trees) else None,
+                                tree_mask=bits if any(trees) else None)
+        out = torch.full((t, nh, d), float("nan"), dtype=dtype)
+        if use:   # every request through the kernel
+            module.tree_attention(q, kv, table, qsl, md.seq_lens,
+                                  torch.arange(requests, dtype=torch.int64),
+                                  torch.tensor(trees, dtype=torch.uint8), bits, 0.25, 4, out)
+        else:
+            cpu_attention.tree_attention(q, kv, md, 0.25, out, kernel=False)
+        outs.append(out.float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
 
 def test_kv_write_and_compaction():

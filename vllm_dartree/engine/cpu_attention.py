@@ -22,6 +22,7 @@ import torch
 from vllm.v1.attention.backend import AttentionMetadataBuilder
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
+from vllm_dartree.engine import cpu_kernel
 from vllm_dartree.engine.attention import (
     TreeAttentionImplBase,
     copy_slots,
@@ -73,6 +74,11 @@ class DARTreeCPUMetadataBuilder(AttentionMetadataBuilder[DARTreeCPUMetadata]):
 # Requests with at most this many rows this step (decode rows, verify trees) are attended
 # in one padded batch; longer ones (prompt chunks) one at a time.
 BATCHED_MAX_ROWS = 80
+# With the compiled kernel (`cpu_kernel`), requests with at most this many rows (decode rows,
+# small trees: gather-bound in SDPA) are attended by it straight from the paged cache; more
+# rows are compute-bound, and SDPA's blocked GEMMs do them faster.
+KERNEL_MAX_ROWS = 4
+KERNEL_ROW_CHUNK = 16    # rows of one request per work item (parallel grain of big trees)
 
 
 @dataclass
@@ -85,6 +91,9 @@ class _Plan:
     row_valid: torch.Tensor | None  # [Rb, Qmax]
     mask: torch.Tensor | None     # [Rb, 1, Qmax, Lmax] bool; None when every row sees all
     single: list[int]             # requests attended one at a time
+    kernel: torch.Tensor | None = None    # [Rk] int64 requests attended by the kernel
+    is_tree: torch.Tensor | None = None   # [R] uint8 for the kernel
+    tree_mask: torch.Tensor | None = None  # [R, Q, words] int32 contiguous, or empty
 
 
 def _window_mask(md: DARTreeCPUMetadata, r: int, q_len: int) -> torch.Tensor:
@@ -93,7 +102,7 @@ def _window_mask(md: DARTreeCPUMetadata, r: int, q_len: int) -> torch.Tensor:
     return torch.ones(q_len, q_len, dtype=torch.bool).tril()
 
 
-def _plan(md: DARTreeCPUMetadata, block_size: int) -> _Plan:
+def _plan(md: DARTreeCPUMetadata, block_size: int, use_kernel: bool) -> _Plan:
     cached = getattr(md, "_plan", None)
     if cached is not None:
         return cached
@@ -101,9 +110,19 @@ def _plan(md: DARTreeCPUMetadata, block_size: int) -> _Plan:
     seq_lens = md.seq_lens.tolist()
     q_lens = [qsl[r + 1] - qsl[r] for r in range(len(seq_lens))]
     live = [r for r, q in enumerate(q_lens) if q > 0]
-    batched = [r for r in live if q_lens[r] <= BATCHED_MAX_ROWS]
-    single = [r for r in live if q_lens[r] > BATCHED_MAX_ROWS]
+    kernel = [r for r in live if use_kernel and q_lens[r] <= KERNEL_MAX_ROWS]
+    rest = [r for r in live if not (use_kernel and q_lens[r] <= KERNEL_MAX_ROWS)]
+    batched = [r for r in rest if q_lens[r] <= BATCHED_MAX_ROWS]
+    single = [r for r in rest if q_lens[r] > BATCHED_MAX_ROWS]
     plan = _Plan(batched, None, 0, None, None, None, single)
+    if kernel:
+        plan.kernel = torch.tensor(kernel, dtype=torch.int64)
+        if md.is_tree is not None:
+            plan.is_tree = torch.tensor(md.is_tree, dtype=torch.uint8)
+            plan.tree_mask = md.tree_mask.to(torch.int32).contiguous()
+        else:
+            plan.is_tree = torch.zeros(0, dtype=torch.uint8)
+            plan.tree_mask = torch.zeros(0, 0, 0, dtype=torch.int32)
     if batched:
         q_max = max(q_lens[r] for r in batched)
         l_max = max(seq_lens[r] for r in batched)
@@ -129,15 +148,23 @@ def _plan(md: DARTreeCPUMetadata, block_size: int) -> _Plan:
 
 
 def tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, md: DARTreeCPUMetadata,
-                   scale: float, out: torch.Tensor) -> None:
-    """query [T, NH, D] -> out [T, NH, D]: short requests in one padded SDPA call, prompt
-    chunks one at a time; every row sees its context and its causal / tree window."""
+                   scale: float, out: torch.Tensor, kernel: bool | None = None) -> None:
+    """query [T, NH, D] -> out [T, NH, D]: every row sees its context and its causal / tree
+    window. Short requests go to the compiled kernel (`kernel`: default, when it loads) or
+    else to one padded SDPA call; prompt chunks are attended one at a time by SDPA."""
     head_size = query.shape[-1]
     # token-major [blocks, block_size, KVH, 2D]: K and V of a slot gathered in one index
     token_major = kv_cache.permute(0, 2, 1, 3)
     block_size, kv_heads = token_major.shape[1], token_major.shape[2]
     gqa = query.shape[1] != kv_heads     # SDPA shares each K/V head across its query group
-    plan = _plan(md, block_size)
+    module = cpu_kernel.load() if kernel is not False else None
+    if kernel and module is None:
+        raise RuntimeError("the compiled CPU tree attention is unavailable")
+    plan = _plan(md, block_size, module is not None)
+    if plan.kernel is not None and plan.kernel.numel():
+        module.tree_attention(query, kv_cache, md.block_table, md.query_start_loc,
+                              md.seq_lens, plan.kernel, plan.is_tree, plan.tree_mask,
+                              float(scale), KERNEL_ROW_CHUNK, out)
     if plan.batched:
         # one contiguous copy per block (index_select), then [Rb, KVH, L, 2D]
         rb, nb = len(plan.batched), plan.blocks.shape[0] // len(plan.batched)

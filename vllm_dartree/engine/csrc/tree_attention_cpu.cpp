@@ -1,0 +1,203 @@
+// dartree's CPU tree attention, read straight from vLLM's paged KV tensor.
+//
+// The same contract as `vllm_dartree.engine.cpu_attention.tree_attention` (its torch/SDPA
+// path is the reference this kernel is tested against): request r owns query rows
+// [qsl[r], qsl[r + 1]), the last q_len positions of its sequence of seq_lens[r] tokens; every
+// row sees the ctx = seq_len - q_len committed positions and, inside the window, either the
+// causal triangle or (is_tree[r]) its row of the packed ancestor mask
+// (bit k % 32 of word k / 32 of tree_mask[r, i] = row i sees window column k).
+//
+// KV layout: kv_cache [num_blocks, num_kv_heads, block_size, 2 * head_size], K in the first
+// head_size lanes of a slot, V in the rest (`engine.attention.kv_views`).
+//
+// One work item = (request, KV head, chunk of rows); the G = num_heads / num_kv_heads query
+// heads of a KV head share each K/V row it loads. Scores are exact (two passes: scores, then
+// softmax-weighted V), accumulated in float whatever the storage type.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+struct Item {
+  int64_t r, kvh, i0, i1;
+};
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+// Eight independent partial sums: the compiler keeps them in one vector register (a plain
+// reduction loop stays scalar without -ffast-math, which we do not want: -inf must hold).
+inline float dot(const float* a, const float* b, int64_t n) {
+  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8)
+    for (int k = 0; k < 8; ++k) part[k] += a[d + k] * b[d + k];
+  float s = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// K or V row of a slot as floats: float storage is read in place, others converted.
+template <typename T>
+inline const float* as_float(const T* src, float* buf, int64_t n) {
+  load_row(src, buf, n);
+  return buf;
+}
+template <>
+inline const float* as_float<float>(const float* src, float*, int64_t) { return src; }
+
+inline void axpy(float p, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) y[d] += p * x[d];
+}
+
+template <typename T>
+void run(const torch::Tensor& query, const torch::Tensor& kv_cache,
+         const torch::Tensor& block_table, const torch::Tensor& qsl,
+         const torch::Tensor& seq_lens, const torch::Tensor& requests,
+         const torch::Tensor& is_tree, const torch::Tensor& tree_mask, double scale,
+         int64_t row_chunk, torch::Tensor& out) {
+  const int64_t NH = query.size(1), D = query.size(2);
+  const int64_t KVH = kv_cache.size(1), BS = kv_cache.size(2);
+  const int64_t G = NH / KVH;
+  const T* q = query.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const T* kv = kv_cache.data_ptr<T>();
+  const int64_t q_st = query.stride(0), q_sh = query.stride(1);
+  const int64_t o_st = out.stride(0), o_sh = out.stride(1);
+  const int64_t kv_sb = kv_cache.stride(0), kv_sh = kv_cache.stride(1),
+                kv_so = kv_cache.stride(2);
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int64_t bt_s = block_table.stride(0);
+  const int32_t* starts = qsl.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const bool has_trees = tree_mask.numel() > 0;
+  const uint8_t* trees = has_trees ? is_tree.data_ptr<uint8_t>() : nullptr;
+  const int32_t* tm = has_trees ? tree_mask.data_ptr<int32_t>() : nullptr;
+  const int64_t tm_sr = has_trees ? tree_mask.stride(0) : 0;
+  const int64_t tm_si = has_trees ? tree_mask.stride(1) : 0;
+  const float fscale = static_cast<float>(scale);
+
+  std::vector<Item> items;
+  const int64_t* req = requests.data_ptr<int64_t>();
+  for (int64_t n = 0; n < requests.numel(); ++n) {
+    const int64_t r = req[n];
+    const int64_t q_len = starts[r + 1] - starts[r];
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t i0 = 0; i0 < q_len; i0 += row_chunk)
+        items.push_back({r, h, i0, std::min(q_len, i0 + row_chunk)});
+  }
+
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, scores, acc, kbuf(D), vbuf(D);
+    for (int64_t it = begin; it < end; ++it) {
+      const Item& w = items[it];
+      const int64_t r = w.r, start = starts[r], q_len = starts[r + 1] - start;
+      const int64_t seq_len = lens[r], ctx = seq_len - q_len;
+      const bool tree = has_trees && trees[r];
+      const int64_t rows = (w.i1 - w.i0) * G;
+      // causal rows see ctx + i + 1 positions; tree rows at most the whole window
+      const int64_t limit = tree ? seq_len : ctx + w.i1;
+      qf.assign(rows * D, 0.f);
+      scores.assign(rows * limit, -INFINITY);
+      acc.assign(rows * D, 0.f);
+      for (int64_t i = w.i0; i < w.i1; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          float* dst = &qf[((i - w.i0) * G + g) * D];
+          load_row(q + (start + i) * q_st + (w.kvh * G + g) * q_sh, dst, D);
+          for (int64_t d = 0; d < D; ++d) dst[d] *= fscale;
+        }
+      const int32_t* row_blocks = bt + r * bt_s;
+      auto slot = [&](int64_t j) {
+        return kv + static_cast<int64_t>(row_blocks[j / BS]) * kv_sb + w.kvh * kv_sh +
+               (j % BS) * kv_so;
+      };
+      auto sees = [&](int64_t i, int64_t j) {   // window column k = j - ctx
+        const int64_t k = j - ctx;
+        if (!tree) return k <= i;
+        return ((tm[r * tm_sr + i * tm_si + k / 32] >> (k % 32)) & 1) != 0;
+      };
+      for (int64_t j = 0; j < limit; ++j) {
+        const float* k = as_float(slot(j), kbuf.data(), D);
+        for (int64_t i = w.i0; i < w.i1; ++i) {
+          if (j >= ctx && !sees(i, j)) continue;
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t row = (i - w.i0) * G + g;
+            scores[row * limit + j] = dot(&qf[row * D], k, D);
+          }
+        }
+      }
+      std::vector<float> denom(rows, 0.f);
+      for (int64_t row = 0; row < rows; ++row) {
+        float* s = &scores[row * limit];
+        float m = -INFINITY;
+        for (int64_t j = 0; j < limit; ++j) m = std::max(m, s[j]);
+        if (m == -INFINITY) continue;   // sees nothing (cannot happen for a valid mask)
+        float total = 0.f;
+        for (int64_t j = 0; j < limit; ++j) {
+          s[j] = std::exp(s[j] - m);   // exp(-inf) = 0 for unseen columns
+          total += s[j];
+        }
+        denom[row] = total;
+      }
+      for (int64_t j = 0; j < limit; ++j) {
+        const float* v = as_float(slot(j) + D, vbuf.data(), D);
+        for (int64_t row = 0; row < rows; ++row) {
+          const float p = scores[row * limit + j];
+          if (p != 0.f) axpy(p, v, &acc[row * D], D);
+        }
+      }
+      for (int64_t i = w.i0; i < w.i1; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t row = (i - w.i0) * G + g;
+          const float inv = denom[row] > 0.f ? 1.f / denom[row] : 0.f;
+          T* dst = o + (start + i) * o_st + (w.kvh * G + g) * o_sh;
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[row * D + d] * inv);
+        }
+    }
+  });
+}
+
+}  // namespace
+
+void tree_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_table,
+                    torch::Tensor query_start_loc, torch::Tensor seq_lens,
+                    torch::Tensor requests, torch::Tensor is_tree, torch::Tensor tree_mask,
+                    double scale, int64_t row_chunk, torch::Tensor out) {
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && kv_cache.dim() == 4, "bad ranks");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && kv_cache.stride(3) == 1,
+              "the head dimension must be contiguous");
+  TORCH_CHECK(kv_cache.size(3) == 2 * query.size(2), "KV slot must hold K and V");
+  TORCH_CHECK(query.size(1) % kv_cache.size(1) == 0, "heads must be a multiple of KV heads");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(),
+              "query, KV cache and output must share a dtype");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1,
+              "block_table: int32, rows contiguous");
+  TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt32 && query_start_loc.is_contiguous(),
+              "query_start_loc: contiguous int32");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
+              "seq_lens: contiguous int32");
+  TORCH_CHECK(requests.scalar_type() == torch::kInt64 && requests.is_contiguous(),
+              "requests: contiguous int64");
+  if (tree_mask.numel() > 0) {
+    TORCH_CHECK(tree_mask.scalar_type() == torch::kInt32 && tree_mask.dim() == 3 &&
+                    tree_mask.stride(2) == 1, "tree_mask: [R, Q, words] int32");
+    TORCH_CHECK(is_tree.scalar_type() == torch::kUInt8 && is_tree.is_contiguous(),
+                "is_tree: contiguous uint8");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16,
+                                  query.scalar_type(), "dartree_tree_attention", [&] {
+    run<scalar_t>(query, kv_cache, block_table, query_start_loc, seq_lens, requests, is_tree,
+                  tree_mask, scale, row_chunk, out);
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("tree_attention", &tree_attention, "dartree paged tree attention (CPU)");
+}
