@@ -16,6 +16,7 @@ from vllm_dartree.engine.cpu_attention import (
     DARTreeCPUMetadata,
     copy_slots,
     kv_views,
+    write_slots,
 )
 from vllm_dartree.engine.metrics import DARTreeStatLogger, TreeStats
 from vllm_dartree.engine.plugin import PROPOSER, DartreeConfigError, translate
@@ -175,6 +176,26 @@ def test_cpu_kernel_equals_the_sdpa_path(seed, requests, group, dtype):
         outs.append(out.float())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+
+
+def test_cpu_kernel_writes_slots_like_torch():
+    """The kernel's KV write against the torch one: padding slots (-1) skipped, strided
+    key / value rows (views of a fused projection), fp32 and bf16."""
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: the kernel cannot be built here")
+    module = cpu_kernel.load()
+    assert module is not None
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        kv = torch.randn(6, 2, 4, 2 * 8, generator=gen).to(dtype)
+        fused = torch.randn(7, 3 * 2 * 8, generator=gen).to(dtype)
+        key = fused[:, :16].view(7, 2, 8)
+        value = fused[:, 16:32].view(7, 2, 8)
+        slots = torch.tensor([3, -1, 0, 23, 9, -1, 14])
+        want = kv.clone()
+        write_slots(want, key, value, slots)
+        module.write_slots(kv, key, value, slots)
+        assert torch.equal(kv, want)
 
 
 def test_kv_write_and_compaction():

@@ -184,11 +184,15 @@ def tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, md: DARTreeCPUMe
         blocks = md.block_table[r].long()[positions // block_size]
         offsets = positions % block_size
         kv = token_major[blocks, offsets].transpose(0, 1)                 # [KVH, L, 2D]
-        window = _window_mask(md, r, q_len)
-        mask = torch.cat([window.new_ones(q_len, seq_len - q_len), window], dim=1)
+        tree = md.is_tree is not None and md.is_tree[r]
+        if seq_len == q_len and not tree:     # a whole prompt: SDPA's causal kernel, no mask
+            mask = None
+        else:
+            window = _window_mask(md, r, q_len)
+            mask = torch.cat([window.new_ones(q_len, seq_len - q_len), window], dim=1)
         attn = torch.nn.functional.scaled_dot_product_attention(
             query[start:end].transpose(0, 1), kv[..., :head_size], kv[..., head_size:],
-            attn_mask=mask, scale=scale, enable_gqa=gqa)
+            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
         out[start:end] = attn.transpose(0, 1).to(out.dtype)
 
 
@@ -199,7 +203,12 @@ class DARTreeCPUAttentionImpl(TreeAttentionImplBase):
         tree_attention(q, kv_cache, attn_metadata, self.scale, out)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        write_slots(kv_cache, *self._rows(key, value, slot_mapping), slot_mapping)
+        key, value = self._rows(key, value, slot_mapping)
+        module = cpu_kernel.load()
+        if module is not None and key.dtype == kv_cache.dtype:
+            module.write_slots(kv_cache, key, value, slot_mapping.long())
+        else:
+            write_slots(kv_cache, key, value, slot_mapping)
 
 
 class DARTreeCPUAttentionBackend(CPUAttentionBackend):

@@ -35,7 +35,7 @@ def _cpu_flags() -> set[str]:
 
 
 def _build_flags() -> tuple[str, list[str]]:
-    flags = ["-O3", "-fopenmp-simd"]
+    flags = ["-O3", "-fopenmp"]   # ATen's parallel_for is OpenMP in its headers
     if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= _cpu_flags():
         return "avx2", flags + ["-mavx2", "-mfma"]
     return "generic", flags
@@ -57,7 +57,8 @@ def load():
         from torch.utils.cpp_extension import load as load_extension
         isa, flags = _build_flags()
         _module = load_extension(name=f"dartree_tree_attention_cpu_{isa}",
-                                 sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
+                                 sources=[str(_SOURCE)], extra_cflags=flags,
+                                 extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:   # no compiler, no headers: the SDPA path serves
         logger.warning("dartree: the compiled CPU tree attention is unavailable (%s: %s); "
                        "using the slower torch path", type(exc).__name__, exc)

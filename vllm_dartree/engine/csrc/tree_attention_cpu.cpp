@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -198,6 +199,40 @@ void tree_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor b
   });
 }
 
+// key / value [T, KVH, D] into slots [T] of the KV tensor (slot -1: a padding row, skipped).
+void write_slots(torch::Tensor kv_cache, torch::Tensor key, torch::Tensor value,
+                 torch::Tensor slots) {
+  TORCH_CHECK(kv_cache.dim() == 4 && key.dim() == 3 && value.dim() == 3, "bad ranks");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && kv_cache.stride(3) == 1,
+              "the head dimension must be contiguous");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() &&
+                  value.scalar_type() == kv_cache.scalar_type(),
+              "key, value and KV cache must share a dtype");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous(),
+              "slots: contiguous int64");
+  const int64_t T = slots.numel(), KVH = key.size(1), D = key.size(2);
+  const int64_t BS = kv_cache.size(2), NB = kv_cache.size(0);
+  TORCH_CHECK(kv_cache.size(1) == KVH && kv_cache.size(3) == 2 * D, "shapes disagree");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t esize = kv_cache.element_size();
+  char* base = static_cast<char*>(kv_cache.data_ptr());
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    if (slot[t] < 0) continue;
+    const int64_t b = slot[t] / BS, o = slot[t] % BS;
+    TORCH_CHECK(b < NB, "slot ", slot[t], " is outside the KV cache");
+    for (int64_t h = 0; h < KVH; ++h) {
+      char* dst = base + (b * kv_cache.stride(0) + h * kv_cache.stride(1) +
+                          o * kv_cache.stride(2)) * esize;
+      std::memcpy(dst, k + (t * key.stride(0) + h * key.stride(1)) * esize, D * esize);
+      std::memcpy(dst + D * esize, v + (t * value.stride(0) + h * value.stride(1)) * esize,
+                  D * esize);
+    }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_attention", &tree_attention, "dartree paged tree attention (CPU)");
+  m.def("write_slots", &write_slots, "store key / value rows in their KV slots (CPU)");
 }
