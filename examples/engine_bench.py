@@ -16,6 +16,7 @@ is right; `oracle-adaptive` the same drafter under the adaptive budget.
 `plugin-plain` is the dartree engine with every step plain (`VLLM_DARTREE_PLAIN=1`): what
 the plugin's worker and attention cost by themselves. `ngram` is vLLM's own prompt-lookup
 speculation. `fixed` is DARTree verifying `budget` nodes every round (`adaptive: false`).
+`dartree-nolookup` is DARTree (adaptive) without lookup branches (`lookup: false`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 
 METHODS = ("plain", "dartree", "ddtree", "chain", "oracle")
-EXTRA_METHODS = ("plugin-plain", "ngram", "fixed", "oracle-adaptive")
+EXTRA_METHODS = ("plugin-plain", "ngram", "fixed", "oracle-adaptive", "dartree-nolookup")
 
 
 def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
@@ -47,6 +48,8 @@ def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
             "width": args.width, "topk": args.topk}
     if method in ("dartree", "ddtree", "chain"):
         kw["speculative_config"] = {**tree, "builder": method}
+    elif method == "dartree-nolookup":
+        kw["speculative_config"] = {**tree, "lookup": False}
     elif method == "plugin-plain":
         kw["speculative_config"] = tree
     elif method == "fixed":
@@ -89,7 +92,10 @@ def budget_line(level: dict) -> str:
             f"{b['observed_accepted'] / rounds:.2f} observed; row "
             f"{1e3 * b['cost_row_s']:.1f} ms, step {1e3 * b['cost_step_s']:.1f} ms, draft "
             f"{1e3 * b['cost_draft_s']:.1f} + {1e3 * b['cost_draft_request_s']:.1f}/req + "
-            f"{1e3 * b['cost_draft_depth_s']:.2f}/req/depth ms")
+            f"{1e3 * b['cost_draft_depth_s']:.2f}/req/depth ms" + (
+                f"; lookup nodes {b['lookup_accepted']}/{b['lookup_nodes']} accepted, shared "
+                f"{b['shared_accepted']}/{b['shared_nodes']}" if b.get("lookup_nodes") or
+                b.get("shared_nodes") else ""))
 
 
 PROTOCOL = "@@bench "   # the engine's replies on stdout (vLLM logs there too)
@@ -217,9 +223,12 @@ def _prompts(args) -> list[list[int]]:
         from transformers import AutoTokenizer
 
         from vllm_dartree.bench.datasets import chat_prompt_ids, load_prompts
+        from vllm_dartree.bench.repetitive import REPETITIVE, repetitive_prompts
         tok = AutoTokenizer.from_pretrained(args.target)
+        load = lambda name: (repetitive_prompts if name in REPETITIVE  # noqa: E731
+                             else load_prompts)(name, args.per_dataset)
         return [chat_prompt_ids(tok, q.prompt) for name in args.datasets.split(",")
-                for q in load_prompts(name, args.per_dataset)]
+                for q in load(name)]
     if args.prompts:
         from transformers import AutoTokenizer
 
@@ -241,7 +250,8 @@ def main() -> None:
     parser.add_argument("--drafter", help="drafter folder (default: tiny random Domino)")
     parser.add_argument("--prompts", help="JSONL file with {'prompt': text} lines")
     parser.add_argument("--datasets", help="benchmark prompt sets instead (e.g. "
-                        "gsm8k,humaneval,mt-bench: vllm_dartree.bench.datasets)")
+                        "gsm8k,humaneval,mt-bench: vllm_dartree.bench.datasets; the "
+                        "repetitive code-edit,summary: vllm_dartree.bench.repetitive)")
     parser.add_argument("--per-dataset", type=int, default=2)
     parser.add_argument("--smollm2", action="store_true", help="target = SmolLM2-135M-Instruct"
                         " (prepared offline), drafter = the one shipped for it")

@@ -53,6 +53,24 @@ class DARTreeConfig(BaseModel):
     drafter pass, is chosen whenever speculation would not pay. False: every round verifies
     `budget` nodes (the paper's fixed-budget tables; the reference decoder always does)."""
 
+    lookup: bool = True
+    """Engines only: graft lookup branches onto every drafter tree: continuations of the
+    request's current suffix found earlier in its prompt or output (n-gram matches, as vLLM's
+    `ngram` proposer drafts them, several per round). They are verified in the same pass and
+    ranked with the drafter's nodes by calibrated acceptance, one estimate per source."""
+
+    lookup_share: float = Field(0.5, gt=0, le=1)
+    """The most nodes lookup may add to a tree, as a fraction of `budget` (rounded up)."""
+
+    lookup_candidates: int = Field(4, ge=1, le=64)
+    """Lookup continuations considered per round (longest match first, then most recent)."""
+
+    lookup_min_n: int = Field(2, ge=1)
+    """Shortest suffix (in tokens) that lookup matches."""
+
+    lookup_max_n: int = Field(5, ge=1)
+    """Longest suffix that lookup matches (longer matches rank first)."""
+
     correction: bool = True
     """Use the drafter's correction head (Domino GRU / DSpark Markov). False = the backbone's
     uncorrected marginals only (DFlash-like)."""
@@ -75,7 +93,16 @@ class DARTreeConfig(BaseModel):
                 "builder = 'sequential-heap' runs the correction head per pop and needs "
                 "correction = true; use builder = 'ddtree' for the uncorrected heap."
             )
+        if self.lookup_min_n > self.lookup_max_n:
+            raise ValueError(
+                f"lookup_min_n = {self.lookup_min_n} must be <= lookup_max_n = "
+                f"{self.lookup_max_n}."
+            )
         return self
+
+    def lookup_nodes(self) -> int:
+        """The most nodes lookup may add to one tree."""
+        return -(-int(round(self.lookup_share * self.budget * 1000)) // 1000)
 
     def check_drafter(self, *, vocab_size: int, num_depths: int) -> None:
         """Validate the keys that depend on the drafter; raises ValueError naming the key."""

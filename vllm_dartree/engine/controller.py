@@ -32,6 +32,7 @@ import numpy as np
 from vllm_dartree.engine.budget import BatchCosts, Plan, cut, plan_budgets
 from vllm_dartree.engine.calibration import AcceptanceCalibrator
 from vllm_dartree.engine.costs import StepCosts
+from vllm_dartree.tree.lookup import BOTH, DRAFTER, LOOKUP
 
 __all__ = ["TreeBudget", "BudgetPlan"]
 
@@ -48,8 +49,9 @@ class BudgetPlan:
 
 def _curve(p: np.ndarray, depths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """Prefix curves of a best-first tree: gains [width + 1] (expected accepted tokens of the
-    first n nodes, marginals made non-increasing: a conservative estimate) and the prefix
-    depths [width + 1]; padded past the tree with no gain and its last depth."""
+    first n nodes, marginals made non-increasing: a conservative estimate) and the drafter
+    depths the prefix needs [width + 1] (`depths`: 0 for nodes the drafter did not propose);
+    padded past the tree with no gain and its last depth."""
     m = min(len(p), width)
     gains, deep = np.zeros(width + 1), np.zeros(width + 1, dtype=np.int64)
     if m:
@@ -70,16 +72,20 @@ class TreeBudget:
         self.explore_depth = min(max_depth, 2 * max(self.explore_nodes))
         self.never = os.environ.get("VLLM_DARTREE_PLAIN", "0") not in ("", "0")
         self._explored = False     # the last tree step was an exploration
-        self.calibrators = {True: AcceptanceCalibrator(), False: AcceptanceCalibrator()}
+        # one calibrator per temperature class and node source (drafter / lookup / both)
+        self.calibrators = {(g, src): AcceptanceCalibrator() for g in (True, False)
+                            for src in (DRAFTER, LOOKUP, BOTH)}
         self.costs = StepCosts()
-        self._profiles: dict[Hashable, tuple[np.ndarray, np.ndarray]] = {}  # rid -> last tree
-        self._pool: dict[bool, tuple[np.ndarray, np.ndarray]] = {}
+        # rid -> its last tree (scores, depths, sources); the pool's last tree per class
+        self._profiles: dict[Hashable, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._pool: dict[bool, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._plain_run = 0
         self._explore_turn = 0
         self.stats = {"steps": 0, "plain_steps": 0, "tree_steps": 0, "explore_steps": 0,
                       "draft_passes": 0,
                       "rounds": 0, "nodes": 0, "predicted_accepted": 0.0,
-                      "observed_accepted": 0.0}
+                      "observed_accepted": 0.0, "lookup_nodes": 0, "lookup_accepted": 0,
+                      "shared_nodes": 0, "shared_accepted": 0}
         self._log_every, self._last_log = log_every, time.monotonic()
 
     # -- planning -------------------------------------------------------------------------
@@ -88,9 +94,21 @@ class TreeBudget:
         c, d, e = self.costs.draft_theta
         return BatchCosts(step=a, row=b, tree_step=f + c, per_request=d, per_depth=e)
 
-    def _gains(self, rid, greedy: bool, scores, depths):
-        p = self.calibrators[greedy].predict(scores, depths, rid)
-        return _curve(p, depths, self.max_nodes)
+    def predict(self, rid, greedy: bool, scores: np.ndarray, depths: np.ndarray,
+                sources: np.ndarray | None = None) -> np.ndarray:
+        """Calibrated acceptance of nodes [M] (each by its source's calibrator)."""
+        if sources is None:
+            return self.calibrators[greedy, DRAFTER].predict(scores, depths, rid)
+        p = np.zeros(len(scores))
+        for src in np.unique(sources).tolist():
+            at = sources == src
+            p[at] = self.calibrators[greedy, src].predict(scores[at], depths[at], rid)
+        return p
+
+    def _gains(self, rid, greedy: bool, scores, depths, sources=None):
+        p = self.predict(rid, greedy, scores, depths, sources)
+        need = depths if sources is None else np.where(sources == LOOKUP, 0, depths)
+        return _curve(p, need, self.max_nodes)
 
     def plan(self, rids: Sequence[Hashable], greedy: Sequence[bool],
              num_running: int) -> BudgetPlan:
@@ -151,23 +169,34 @@ class TreeBudget:
         return BudgetPlan(nodes, depth, plan.rate, explore)
 
     def cut(self, rid, greedy: bool, scores: np.ndarray, depths: np.ndarray,
-            plan: BudgetPlan, i: int) -> int:
-        """Nodes of request i's fresh tree (best-first, scores / depths [m]) to verify."""
-        self._profiles[rid] = self._pool[greedy] = (scores, depths)
+            plan: BudgetPlan, i: int, sources: np.ndarray | None = None) -> int:
+        """Nodes of request i's fresh tree (best-first, scores / depths / sources [m]) to
+        verify."""
+        self._profiles[rid] = self._pool[greedy] = (scores, depths, sources)
         if plan.explore[i]:
             return min(len(scores), int(plan.nodes[i]))
-        gains, _ = self._gains(rid, greedy, scores, depths)
+        gains, _ = self._gains(rid, greedy, scores, depths, sources)
         return int(cut(gains[None], self.batch_costs().row, plan.rate,
                        np.array([len(scores)]))[0])
 
     # -- observations ---------------------------------------------------------------------
     def observe_walk(self, rid, greedy: bool, scores: np.ndarray, depths: np.ndarray,
-                     accepted: Sequence[int]) -> None:
+                     accepted: Sequence[int], sources: np.ndarray | None = None) -> None:
         """A verified tree (its scheduled prefix) and the node indices the walk accepted."""
         labels = np.zeros(len(scores), dtype=bool)
         labels[list(accepted)] = True
-        predicted, observed = self.calibrators[greedy].update(scores, depths, labels, rid)
+        if sources is None:
+            sources = np.full(len(scores), DRAFTER)
+        predicted = observed = 0.0
+        for src in np.unique(sources).tolist():
+            at = sources == src
+            pr, ob = self.calibrators[greedy, src].update(scores[at], depths[at], labels[at], rid)
+            predicted, observed = predicted + pr, observed + ob
         s = self.stats
+        for name, src in (("lookup", LOOKUP), ("shared", BOTH)):
+            at = sources == src
+            s[f"{name}_nodes"] += int(np.count_nonzero(at))
+            s[f"{name}_accepted"] += int(np.count_nonzero(labels & at))
         s["rounds"] += 1
         s["nodes"] += len(scores)
         s["predicted_accepted"] += predicted

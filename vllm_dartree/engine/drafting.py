@@ -4,7 +4,9 @@ The target's aux hidden states of every committed row (prompt chunks, root, acce
 extend each request's drafter context; the adaptive budget (`engine.controller`) says who
 drafts and how deep (nobody: a plain step, no drafter pass); one batched draft builds the
 trees; each is cut to the prefix its nodes earn; their tokens go to the scheduler, their
-shape stays in `_dt_trees` until the scheduler hands the prefix back.
+shape stays in `_dt_trees` until the scheduler hands the prefix back. With `lookup` on,
+continuations of each request's suffix found in its own tokens are grafted onto its tree
+first (`engine.lookup_branches`), and the merged tree is ranked by acceptance estimates.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import time
 
 import torch
 
+import numpy as np
+
 from vllm_dartree.engine.controller import TreeBudget
+from vllm_dartree.engine.lookup_branches import LookupBranches
 from vllm_dartree.engine.tree_inputs import StoredTree
 
 __all__ = ["DraftingMixin"]
@@ -63,6 +68,8 @@ class DraftingMixin:
                                "tokens; it decodes without speculation", rid, p0)
             if rid in self._dt_broken:
                 continue
+            if self._dt_lookup is not None:
+                self._dt_lookup.sync(rid, token_ids[i], p0, len(rows))
             ext_ids.append(rid)
             ext_tokens.append(token_ids[i, p0:p0 + len(rows)].tolist())
             ext_feats.append(features[torch.tensor(rows, device=features.device)])
@@ -99,17 +106,37 @@ class DraftingMixin:
         limit = int(getattr(self.speculative_config, "num_speculative_tokens", None)
                     or self.dartree.config.budget)
         for j, (i, rid) in enumerate(zip(draft_rows, rids)):
-            n = min(int(counts[j]), limit)
+            m = int(counts[j])
+            tree = (tokens[j, :m].tolist(), parents[j, :m].numpy(), depths[j, :m].numpy(),
+                    scores[j, :m], None)
+            if self._dt_lookup is not None:
+                merged = self._dt_lookup.graft(rid, roots[j], *tree[:4],
+                                               self._dt_estimate(budget, rid, greedy[j]))
+                if merged is not None:
+                    tree = (merged.tokens, np.asarray(merged.parents), np.asarray(merged.depths),
+                            np.asarray(merged.scores), np.asarray(merged.sources))
+            draft, tree_parents, tree_depths, tree_scores, sources = tree
+            n = min(len(draft), limit)
             if plan is not None and n:
-                n = budget.cut(rid, greedy[j], scores[j, :n], depths[j, :n].numpy(), plan,
-                               plan_index[j])
+                n = budget.cut(rid, greedy[j], tree_scores[:n], tree_depths[:n], plan,
+                               plan_index[j], None if sources is None else sources[:n])
             if n == 0:
                 continue
-            draft = tokens[j, :n].tolist()
-            self._dt_trees[rid] = StoredTree(draft, parents[j, :n].clone(),
-                                              depths[j, :n].clone(), scores[j, :n].copy())
-            out[i] = draft
+            self._dt_trees[rid] = StoredTree(
+                draft[:n], torch.as_tensor(tree_parents[:n], dtype=torch.int64),
+                torch.as_tensor(tree_depths[:n], dtype=torch.int64), tree_scores[:n].copy(),
+                None if sources is None else sources[:n].copy())
+            out[i] = draft[:n]
         return out
+
+    @staticmethod
+    def _dt_estimate(budget: TreeBudget | None, rid, greedy: bool):
+        """How lookup ranks a merged tree's nodes: the budget's calibrated acceptance, or,
+        with a fixed budget, the prior exp(score) of every source."""
+        if budget is None:
+            return lambda scores, depths, sources: np.exp(scores)
+        return lambda scores, depths, sources: budget.predict(rid, greedy, scores, depths,
+                                                              sources)
 
     def _dt_budget_for(self, drafter) -> TreeBudget | None:
         """The adaptive budget (None with `adaptive: false`), made once the drafter is known."""

@@ -40,6 +40,7 @@ import numpy as np
 from vllm_dartree.engine.compaction import CompactionMixin
 from vllm_dartree.engine.controller import TreeBudget
 from vllm_dartree.engine.drafting import DraftingMixin
+from vllm_dartree.engine.lookup_branches import LookupBranches
 from vllm_dartree.engine.settings import EngineSettings
 from vllm_dartree.engine.tree_inputs import StepTrees, StoredTree, tree_rows
 from vllm_dartree.engine.tree_sampler import TreeSamplerMixin, needs_full_sampler
@@ -61,6 +62,8 @@ class DARTreeRunnerMixin(TreeSamplerMixin, CompactionMixin, DraftingMixin):
         self.use_aux_hidden_state_outputs = True
         self.dartree_seconds: dict[str, float] = defaultdict(float)
         self._dt_budget: TreeBudget | None = None     # created with the drafter (adaptive)
+        self._dt_lookup = LookupBranches(self.dartree.config) if self.dartree.config.lookup \
+            else None
         self._dt_clock: list[float] = []              # this step's (start, drafting seconds)
         self._dt_timing: tuple[int, bool] | None = None   # this step's (rows, trees) to time
 
@@ -123,6 +126,8 @@ class DARTreeRunnerMixin(TreeSamplerMixin, CompactionMixin, DraftingMixin):
         for rid in gone:
             self._dt_trees.pop(rid, None)
             self._dt_broken.discard(rid)
+            if self._dt_lookup is not None:
+                self._dt_lookup.free(rid)
             if drafter is not None and rid in scheduler_output.finished_req_ids:
                 drafter.free(rid)
                 if self._dt_budget is not None:
@@ -148,7 +153,8 @@ class DARTreeRunnerMixin(TreeSamplerMixin, CompactionMixin, DraftingMixin):
                      and stored.tokens[:n] == scheduled)
             drafts.append(scheduled)
             trees.append(StoredTree(scheduled, stored.parents[:n], stored.depths[:n],
-                                     None if stored.scores is None else stored.scores[:n])
+                                     None if stored.scores is None else stored.scores[:n],
+                                     None if stored.sources is None else stored.sources[:n])
                          if match else None)
         step = StepTrees(req_ids, starts, rows, p0, drafts, trees)
         step.is_tree = [t is not None for t in trees]

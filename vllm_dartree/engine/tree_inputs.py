@@ -59,6 +59,7 @@ class StoredTree:
     parents: torch.Tensor   # [N] int64, -1 = root
     depths: torch.Tensor    # [N] int64
     scores: np.ndarray | None = None   # [N] float64, the drafter's path log-probabilities
+    sources: np.ndarray | None = None  # [N] tree.lookup.DRAFTER / LOOKUP / BOTH (None: drafter)
 
 
 @dataclass

@@ -101,7 +101,7 @@ class TreeSamplerMixin:
         for rid, tree, accepted in zip(step.req_ids, step.trees, step.accepted):
             if tree is not None and tree.scores is not None and len(tree.tokens):
                 self._dt_budget.observe_walk(rid, self._dt_greedy(rid), tree.scores,
-                                             tree.depths.numpy(), accepted)
+                                             tree.depths.numpy(), accepted, tree.sources)
 
     def _dt_tree_batch(self, step: StepTrees, device) -> TreeBatch:
         num_reqs = len(step.req_ids)

@@ -1,0 +1,59 @@
+"""`LookupBranches`: the runner's per-request lookup indices (`vllm_dartree.tree.lookup`).
+
+Each drafting request's index follows its committed tokens (`sync`, incremental; rebuilt
+from the batch's token ids when the two disagree, e.g. after a preemption or a prefix-cache
+hit); `graft` puts this round's lookup continuations onto the drafter's tree and orders the
+result best-first by the nodes' acceptance estimates, so that the budget's cut (a prefix)
+keeps the best nodes of either source. Indices are freed with their requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import numpy as np
+
+from vllm_dartree.config import DARTreeConfig
+from vllm_dartree.tree.lookup import LookupIndex, MergedTree, best_first, merge_branches, reorder
+
+__all__ = ["LookupBranches"]
+
+
+class LookupBranches:
+    def __init__(self, config: DARTreeConfig):
+        self.config = config
+        self.max_new = config.lookup_nodes()
+        self._indices: dict[Hashable, LookupIndex] = {}
+
+    def sync(self, rid: Hashable, token_ids: np.ndarray, start: int, count: int) -> None:
+        """Request `rid` committed `token_ids[start:start + count]` (its whole row of token
+        ids is `token_ids`)."""
+        index = self._indices.get(rid)
+        if index is None or len(index) != start:
+            index = LookupIndex(self.config.lookup_min_n, self.config.lookup_max_n)
+            index.extend(token_ids[:start].tolist())
+            self._indices[rid] = index
+        index.extend(token_ids[start:start + count].tolist())
+
+    def graft(self, rid: Hashable, root: int, tokens: Sequence[int], parents: np.ndarray,
+              depths: np.ndarray, scores: np.ndarray,
+              estimate: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray],
+              ) -> MergedTree | None:
+        """The drafter's tree with this round's lookup branches, best-first by
+        `estimate(scores, depths, sources)`; None when lookup finds nothing."""
+        index = self._indices.get(rid)
+        if index is None:
+            return None
+        found = index.propose(root, self.max_new, self.config.lookup_candidates)
+        if not found:
+            return None
+        tree = merge_branches(tokens, parents.tolist(), depths.tolist(), scores.tolist(),
+                              found, self.max_new)
+        p = estimate(np.asarray(tree.scores), np.asarray(tree.depths), np.asarray(tree.sources))
+        return reorder(tree, best_first(p, tree.parents, tree.depths))
+
+    def free(self, rid: Hashable) -> None:
+        self._indices.pop(rid, None)
+
+    def __len__(self) -> int:
+        return len(self._indices)
