@@ -161,3 +161,34 @@ def test_plain_switch(monkeypatch):
     budget = TreeBudget(max_nodes=6, max_depth=6, explore_every=1)
     for _ in range(5):
         assert not _walk_round(budget, ["a"], accept=True).nodes.any()
+
+
+def test_lookup_nodes_alone_are_verified_without_a_drafter_pass():
+    """A drafter whose nodes are never accepted, lookup nodes that always are: once both are
+    calibrated, the plan verifies lookup nodes with depth 0 (no drafter pass), keeps the
+    drafter's profile, and counts lookup acceptance per source."""
+    from vllm_dartree.tree.lookup import DRAFTER, LOOKUP
+    budget = TreeBudget(max_nodes=8, max_depth=6)
+    budget.costs = StepCosts(plain_step=0.05)
+    d_scores, d_depths = -0.3 * np.arange(1, 7), np.arange(1, 7)
+    l_scores, l_depths = np.log(0.75) * np.arange(1, 5), np.arange(1, 5)
+    scores = np.concatenate([d_scores, l_scores])
+    depths = np.concatenate([d_depths, l_depths])
+    sources = np.array([DRAFTER] * 6 + [LOOKUP] * 4)
+    parents_ok = np.array([True] * 6 + [True] * 4)
+    assert parents_ok.all()
+    for _ in range(60):        # verify both sources: the drafter's fail, lookup's pass
+        budget.observe_walk("a", True, scores, depths, [6, 7, 8, 9], sources)
+    budget.cut("a", True, scores, depths,
+               budget.plan(["a"], [True], 1, [(l_scores, l_depths)]), 0, sources)
+    plan = budget.plan(["a"], [True], 1, [(l_scores, l_depths)])
+    assert plan.nodes[0] >= 3 and plan.depth == 0
+    assert budget.predict("a", True, l_scores, l_depths, np.full(4, LOOKUP)).min() > 0.9
+    assert budget.predict("a", True, d_scores, d_depths).max() < 0.1
+    # a lookup-only tree does not erase the drafter nodes from the request's profile
+    budget.cut("a", True, l_scores, l_depths, plan, 0, np.full(4, LOOKUP))
+    assert (budget._profiles["a"][2] == DRAFTER).sum() == 6
+    # no lookup this round and a drafter that fails: plain
+    assert budget.plan(["a"], [True], 1, [None]).nodes[0] == 0
+    s = budget.stats
+    assert s["lookup_nodes"] == 240 and s["lookup_accepted"] == 240

@@ -200,7 +200,8 @@ def test_adaptive_budget_plain_steps_skip_the_drafter(plain, dartree8):
     predicts the (zero) acceptance it sees."""
     b = dartree8["budget"]
     assert b["steps"] > 0 and b["plain_steps"] > 0.5 * b["steps"]
-    assert b["draft_passes"] == b["tree_steps"] < b["steps"]
+    # tree steps with lookup nodes alone run no drafter pass either
+    assert b["draft_passes"] <= b["tree_steps"] < b["steps"]
     drafter_only = b["observed_accepted"] - b["lookup_accepted"] - b["shared_accepted"]
     assert b["rounds"] > 0 and drafter_only <= b["rounds"] * 0.2
     assert b["live_requests"] == 0, "per-request budget state outlived its requests"

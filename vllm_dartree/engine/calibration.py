@@ -10,7 +10,8 @@ repeated text), so the budget controller never uses `exp(score)` directly. Inste
 - a bin's estimate is (hits + w * prior) / (visits + w) with the drafter's own `exp(score)`
   as the prior of weight w (a fresh engine trusts the drafter until it has seen walks);
 - within a depth group the estimates are made non-decreasing in score by weighted isotonic
-  regression (pool-adjacent-violators), and non-increasing with depth group;
+  regression (pool-adjacent-violators), and non-increasing with depth group; a bin no walk
+  has visited holds only its prior and constrains neither fit;
 - a request whose acceptance differs from the pool's carries a correction factor
   (decayed observed / predicted accepted length, clamped), applied to its nodes.
 
@@ -67,15 +68,24 @@ class AcceptanceCalibrator:
         return g, s
 
     def table(self) -> np.ndarray:
-        """[depth groups, score bins] calibrated probabilities (monotone in both)."""
+        """[depth groups, score bins] calibrated probabilities: non-decreasing in score, and
+        no deeper bin above a shallower visited one."""
         if self._table is None:
             prior = np.where(self.visits > 0, self.prior_mass / np.maximum(self.visits, 1e-12),
                              self._bin_centres())
             w = self.prior_weight
             raw = (self.hits + w * prior) / (self.visits + w)
-            table = np.stack([isotonic_increasing(row, v + w)
+            # a bin nobody visited carries only its prior: it must not pull visited bins
+            # down (or up); the fit lifts it to its neighbours instead
+            table = np.stack([isotonic_increasing(row, np.where(v > 1e-9, v + w, 1e-3))
                               for row, v in zip(raw, self.visits)])
-            self._table = np.minimum.accumulate(table, axis=0)   # deeper groups never higher
+            # deeper groups never higher than a shallower group's *visited* bin (an empty
+            # bin holds only its prior and bounds nothing)
+            bound = np.full(table.shape[1], np.inf)
+            for g in range(table.shape[0]):
+                table[g] = np.minimum(table[g], bound)
+                bound = np.minimum(bound, np.where(self.visits[g] > 1e-9, table[g], np.inf))
+            self._table = table
         return self._table
 
     @staticmethod

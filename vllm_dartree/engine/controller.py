@@ -110,23 +110,48 @@ class TreeBudget:
         need = depths if sources is None else np.where(sources == LOOKUP, 0, depths)
         return _curve(p, need, self.max_nodes)
 
-    def plan(self, rids: Sequence[Hashable], greedy: Sequence[bool],
-             num_running: int) -> BudgetPlan:
-        """Nodes per request for the next step; `num_running` requests decode in it."""
-        plan, unknown = self._plan(rids, greedy, num_running)   # about 1 ms at 16 requests
+    def plan(self, rids: Sequence[Hashable], greedy: Sequence[bool], num_running: int,
+             lookup: Sequence[tuple[np.ndarray, np.ndarray] | None] | None = None,
+             ) -> BudgetPlan:
+        """Nodes per request for the next step; `num_running` requests decode in it.
+        `lookup[i]`: (prior scores, depths) of request i's lookup nodes this round, known
+        before drafting; they replace the lookup nodes of its last tree in the prediction
+        and need no drafter depth (depth 0 with nodes: a lookup-only step, no drafter pass)."""
+        plan, unknown = self._plan(rids, greedy, num_running, lookup)   # ~1 ms at 16 requests
         return self._finish(plan, unknown)
 
-    def _plan(self, rids, greedy, num_running) -> tuple[Plan, np.ndarray]:
+    def _profile(self, rid, g: bool, found):
+        """Request rid's predicted tree: its last tree's drafter nodes (the pool's last tree
+        for a new request) and this round's lookup nodes, best-first by calibrated p."""
+        profile = self._profiles.get(rid) or self._pool.get(g)
+        if profile is None and found is None:
+            return None
+        scores, depths, sources = profile if profile is not None else (
+            np.zeros(0), np.zeros(0, dtype=np.int64), None)
+        if sources is None:
+            sources = np.full(len(scores), DRAFTER)
+        keep = sources != LOOKUP
+        scores, depths, sources = scores[keep], depths[keep], sources[keep]
+        if found is not None:
+            scores = np.concatenate([scores, found[0]])
+            depths = np.concatenate([depths, found[1]])
+            sources = np.concatenate([sources, np.full(len(found[0]), LOOKUP)])
+        p = self.predict(rid, g, scores, depths, sources)
+        order = np.lexsort((depths, -p))
+        p, depths, sources = p[order], depths[order], sources[order]
+        return _curve(p, np.where(sources == LOOKUP, 0, depths), self.max_nodes)
+
+    def _plan(self, rids, greedy, num_running, lookup=None) -> tuple[Plan, np.ndarray]:
         r = len(rids)
         gains = np.zeros((r, self.max_nodes + 1))
         depths = np.zeros((r, self.max_nodes + 1), dtype=np.int64)
         unknown = np.zeros(r, dtype=bool)
         for i, (rid, g) in enumerate(zip(rids, greedy)):
-            profile = self._profiles.get(rid) or self._pool.get(g)
-            if profile is None:
+            curve = self._profile(rid, g, None if lookup is None else lookup[i])
+            if curve is None:
                 unknown[i] = True
                 continue
-            gains[i], depths[i] = self._gains(rid, g, *profile)
+            gains[i], depths[i] = curve
         costs = self.batch_costs()
         # requests that decode without a drafting candidate still cost their row
         others = max(num_running - r, 0)
@@ -163,7 +188,8 @@ class TreeBudget:
         if nodes.any():
             self._plain_run = 0
             self.stats["tree_steps"] += 1
-            depth = min(self.max_depth, depth + 1)   # one depth more: the profile can grow
+            if depth > 0:   # one depth more: the profile can grow (0: lookup nodes only)
+                depth = min(self.max_depth, depth + 1)
         else:
             self.stats["plain_steps"] += 1
         return BudgetPlan(nodes, depth, plan.rate, explore)
@@ -172,7 +198,10 @@ class TreeBudget:
             plan: BudgetPlan, i: int, sources: np.ndarray | None = None) -> int:
         """Nodes of request i's fresh tree (best-first, scores / depths / sources [m]) to
         verify."""
-        self._profiles[rid] = self._pool[greedy] = (scores, depths, sources)
+        # a lookup-only tree (no drafter pass) says nothing new about the drafter's nodes:
+        # the last profile keeps them (its lookup nodes are replaced each round anyway)
+        if sources is None or bool((sources != LOOKUP).any()) or rid not in self._profiles:
+            self._profiles[rid] = self._pool[greedy] = (scores, depths, sources)
         if plan.explore[i]:
             return min(len(scores), int(plan.nodes[i]))
         gains, _ = self._gains(rid, greedy, scores, depths, sources)

@@ -83,24 +83,34 @@ class DraftingMixin:
             return out
         rids = [step.req_ids[i] for i in draft_rows]
         greedy = [self._dt_greedy(rid) for rid in rids]
+        lookup = self._dt_lookup
+        found = [lookup.find(rid, root) if lookup is not None else []
+                 for rid, root in zip(rids, roots)]
         budget = self._dt_budget_for(drafter)
         plan = None
         if budget is not None:   # adaptive: who drafts, and how deep (none: a plain step)
-            plan = budget.plan(rids, greedy, num_reqs)
+            plan = budget.plan(rids, greedy, num_reqs,
+                               None if lookup is None else [lookup.profile(f) for f in found])
             keep = [j for j in range(len(rids)) if plan.nodes[j] > 0]
             if not keep:
                 return out
-            draft_rows, rids, roots, greedy = ([xs[j] for j in keep]
-                                               for xs in (draft_rows, rids, roots, greedy))
+            draft_rows, rids, roots, greedy, found = ([xs[j] for j in keep] for xs in
+                                                      (draft_rows, rids, roots, greedy, found))
             plan_index = keep
-        start = time.perf_counter()
-        trees = drafter.draft(rids, torch.tensor(roots, device=features.device),
-                              num_depths=None if plan is None else plan.depth)
-        counts = trees.num_nodes.tolist()
-        tokens, parents, depths = (trees.tokens.cpu(), trees.parents.cpu(), trees.depths.cpu())
-        scores = trees.scores.cpu().double().numpy()
-        if budget is not None:
-            budget.observe_draft(len(rids), plan.depth, time.perf_counter() - start)
+        if plan is not None and plan.depth == 0:   # lookup nodes only: no drafter pass
+            counts = [0] * len(rids)
+            tokens = parents = depths = torch.zeros(len(rids), 0, dtype=torch.int64)
+            scores = np.zeros((len(rids), 0))
+        else:
+            start = time.perf_counter()
+            trees = drafter.draft(rids, torch.tensor(roots, device=features.device),
+                                  num_depths=None if plan is None else plan.depth)
+            counts = trees.num_nodes.tolist()
+            tokens, parents, depths = (trees.tokens.cpu(), trees.parents.cpu(),
+                                       trees.depths.cpu())
+            scores = trees.scores.cpu().double().numpy()
+            if budget is not None:
+                budget.observe_draft(len(rids), plan.depth, time.perf_counter() - start)
         # vLLM's per-position counters and rejection buffers hold num_speculative_tokens
         # drafts: never hand the scheduler more (a prefix of a tree is a tree).
         limit = int(getattr(self.speculative_config, "num_speculative_tokens", None)
@@ -109,9 +119,9 @@ class DraftingMixin:
             m = int(counts[j])
             tree = (tokens[j, :m].tolist(), parents[j, :m].numpy(), depths[j, :m].numpy(),
                     scores[j, :m], None)
-            if self._dt_lookup is not None:
-                merged = self._dt_lookup.graft(rid, roots[j], *tree[:4],
-                                               self._dt_estimate(budget, rid, greedy[j]))
+            if lookup is not None:
+                merged = lookup.graft(found[j], *tree[:4],
+                                      self._dt_estimate(budget, rid, greedy[j]))
                 if merged is not None:
                     tree = (merged.tokens, np.asarray(merged.parents), np.asarray(merged.depths),
                             np.asarray(merged.scores), np.asarray(merged.sources))

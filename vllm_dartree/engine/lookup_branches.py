@@ -2,7 +2,9 @@
 
 Each drafting request's index follows its committed tokens (`sync`, incremental; rebuilt
 from the batch's token ids when the two disagree, e.g. after a preemption or a prefix-cache
-hit); `graft` puts this round's lookup continuations onto the drafter's tree and orders the
+hit); `find` gives this round's continuations (before drafting: the budget plans with their
+`profile`, so a step can verify lookup nodes alone, with no drafter pass); `graft` puts
+them onto the drafter's tree (if it ran) and orders the
 result best-first by the nodes' acceptance estimates, so that the budget's cut (a prefix)
 keeps the best nodes of either source. Indices are freed with their requests.
 """
@@ -14,7 +16,14 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 
 from vllm_dartree.config import DARTreeConfig
-from vllm_dartree.tree.lookup import LookupIndex, MergedTree, best_first, merge_branches, reorder
+from vllm_dartree.tree.lookup import (
+    Continuation,
+    LookupIndex,
+    MergedTree,
+    best_first,
+    merge_branches,
+    reorder,
+)
 
 __all__ = ["LookupBranches"]
 
@@ -35,16 +44,27 @@ class LookupBranches:
             self._indices[rid] = index
         index.extend(token_ids[start:start + count].tolist())
 
-    def graft(self, rid: Hashable, root: int, tokens: Sequence[int], parents: np.ndarray,
+    def find(self, rid: Hashable, root: int) -> list[Continuation]:
+        """This round's continuations for `rid`, whose pending token is `root`."""
+        index = self._indices.get(rid)
+        if index is None:
+            return []
+        return index.propose(root, self.max_new, self.config.lookup_candidates)
+
+    def profile(self, found: list[Continuation]) -> tuple[np.ndarray, np.ndarray] | None:
+        """(prior scores, depths) of the lookup nodes alone: what the budget plans with
+        before the drafter has run (None: nothing found)."""
+        if not found:
+            return None
+        tree = merge_branches([], [], [], [], found, self.max_new)
+        return np.asarray(tree.scores), np.asarray(tree.depths)
+
+    def graft(self, found: list[Continuation], tokens: Sequence[int], parents: np.ndarray,
               depths: np.ndarray, scores: np.ndarray,
               estimate: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray],
               ) -> MergedTree | None:
-        """The drafter's tree with this round's lookup branches, best-first by
-        `estimate(scores, depths, sources)`; None when lookup finds nothing."""
-        index = self._indices.get(rid)
-        if index is None:
-            return None
-        found = index.propose(root, self.max_new, self.config.lookup_candidates)
+        """The drafter's tree with this round's lookup branches `found`, best-first by
+        `estimate(scores, depths, sources)`; None when lookup found nothing."""
         if not found:
             return None
         tree = merge_branches(tokens, parents.tolist(), depths.tolist(), scores.tolist(),
