@@ -11,8 +11,9 @@
 // head_size lanes of a slot, V in the rest (`engine.attention.kv_views`).
 //
 // One work item = (request, KV head, chunk of rows); the G = num_heads / num_kv_heads query
-// heads of a KV head share each K/V row it loads. Scores are exact (two passes: scores, then
-// softmax-weighted V), accumulated in float whatever the storage type.
+// heads of a KV head share each K/V row it loads. Softmax is computed online over tiles of
+// positions (running max and sum, rescaled when the max grows), accumulated in float
+// whatever the storage type.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -21,6 +22,8 @@
 #include <vector>
 
 namespace {
+
+constexpr int64_t kTile = 32;   // positions per tile of the online softmax
 
 struct Item {
   int64_t r, kvh, i0, i1;
@@ -105,8 +108,9 @@ void run(const torch::Tensor& query, const torch::Tensor& kv_cache,
       // causal rows see ctx + i + 1 positions; tree rows at most the whole window
       const int64_t limit = tree ? seq_len : ctx + w.i1;
       qf.assign(rows * D, 0.f);
-      scores.assign(rows * limit, -INFINITY);
+      scores.assign(rows * kTile, -INFINITY);
       acc.assign(rows * D, 0.f);
+      std::vector<float> run_max(rows, -INFINITY), denom(rows, 0.f);
       for (int64_t i = w.i0; i < w.i1; ++i)
         for (int64_t g = 0; g < G; ++g) {
           float* dst = &qf[((i - w.i0) * G + g) * D];
@@ -123,34 +127,44 @@ void run(const torch::Tensor& query, const torch::Tensor& kv_cache,
         if (!tree) return k <= i;
         return ((tm[r * tm_sr + i * tm_si + k / 32] >> (k % 32)) & 1) != 0;
       };
-      for (int64_t j = 0; j < limit; ++j) {
-        const float* k = as_float(slot(j), kbuf.data(), D);
-        for (int64_t i = w.i0; i < w.i1; ++i) {
-          if (j >= ctx && !sees(i, j)) continue;
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t row = (i - w.i0) * G + g;
-            scores[row * limit + j] = dot(&qf[row * D], k, D);
+      // Tiles of kTile positions, softmax online (flash-style): each K/V slot is read from
+      // memory once; its V half is still in cache when the tile's weights are applied.
+      for (int64_t j0 = 0; j0 < limit; j0 += kTile) {
+        const int64_t n = std::min(kTile, limit - j0);
+        std::fill(scores.begin(), scores.end(), -INFINITY);
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t j = j0 + t;
+          const float* k = as_float(slot(j), kbuf.data(), D);
+          for (int64_t i = w.i0; i < w.i1; ++i) {
+            if (j >= ctx && !sees(i, j)) continue;
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t row = (i - w.i0) * G + g;
+              scores[row * kTile + t] = dot(&qf[row * D], k, D);
+            }
           }
         }
-      }
-      std::vector<float> denom(rows, 0.f);
-      for (int64_t row = 0; row < rows; ++row) {
-        float* s = &scores[row * limit];
-        float m = -INFINITY;
-        for (int64_t j = 0; j < limit; ++j) m = std::max(m, s[j]);
-        if (m == -INFINITY) continue;   // sees nothing (cannot happen for a valid mask)
-        float total = 0.f;
-        for (int64_t j = 0; j < limit; ++j) {
-          s[j] = std::exp(s[j] - m);   // exp(-inf) = 0 for unseen columns
-          total += s[j];
-        }
-        denom[row] = total;
-      }
-      for (int64_t j = 0; j < limit; ++j) {
-        const float* v = as_float(slot(j) + D, vbuf.data(), D);
         for (int64_t row = 0; row < rows; ++row) {
-          const float p = scores[row * limit + j];
-          if (p != 0.f) axpy(p, v, &acc[row * D], D);
+          float* sr = &scores[row * kTile];
+          float m = run_max[row];
+          for (int64_t t = 0; t < n; ++t) m = std::max(m, sr[t]);
+          if (m == -INFINITY) continue;           // nothing seen yet
+          if (m > run_max[row]) {                 // rescale what was accumulated
+            const float c = run_max[row] == -INFINITY ? 0.f : std::exp(run_max[row] - m);
+            denom[row] *= c;
+            for (int64_t d = 0; d < D; ++d) acc[row * D + d] *= c;
+            run_max[row] = m;
+          }
+          for (int64_t t = 0; t < n; ++t) {
+            sr[t] = std::exp(sr[t] - m);          // exp(-inf) = 0 for unseen columns
+            denom[row] += sr[t];
+          }
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          const float* v = as_float(slot(j0 + t) + D, vbuf.data(), D);
+          for (int64_t row = 0; row < rows; ++row) {
+            const float p = scores[row * kTile + t];
+            if (p != 0.f) axpy(p, v, &acc[row * D], D);
+          }
         }
       }
       for (int64_t i = w.i0; i < w.i1; ++i)
