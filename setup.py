@@ -29,7 +29,9 @@ setup(
     ],
     package_dir={"vllm_dartree.csrc_triton": "csrc_triton"},
     # The drafters trained for the offline targets (Domino format, bf16): zoo.shipped.
-    package_data={"vllm_dartree.zoo": ["drafters/*/*.json", "drafters/*/*.safetensors"]},
+    # ... and the CPU attention kernel's source, compiled on first use (engine.cpu_kernel).
+    package_data={"vllm_dartree.zoo": ["drafters/*/*.json", "drafters/*/*.safetensors"],
+                  "vllm_dartree.engine": ["csrc/*.cpp"]},
     install_requires=[
         "torch>=2.4",
         "triton>=3.0",

@@ -17,6 +17,14 @@ JOB = Path(__file__).with_name("llm_job.py")
 TREE = {"budget": 16, "width": 4, "topk": 8}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernel_built():
+    """Build the compiled CPU attention once, before any engine starts (on a fresh machine
+    the first engine would otherwise spend its start-up compiling it)."""
+    from vllm_dartree.engine import cpu_kernel
+    return cpu_kernel.load()
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """A tiny Qwen3 target (head_dim 32: the stock CPU attention needs >= 32) and a tiny

@@ -94,8 +94,10 @@ def test_dartree_greedy_equals_plain_one_seq_and_matches_reference(tiny, plain, 
                                                                    tmp_path):
     """max_num_seqs 1, and the reference decoder's outputs and per-round accepted lengths."""
     subset = prompts
-    engine = engine_kwargs(tiny["target"], max_num_seqs=1,   # the reference's fixed trees
-                           speculative_config=dartree_spec(tiny["drafter"], adaptive=False),
+    # the reference decoder's trees: fixed budget, no lookup branches (the paper's method)
+    engine = engine_kwargs(tiny["target"], max_num_seqs=1,
+                           speculative_config=dartree_spec(tiny["drafter"], adaptive=False,
+                                                           lookup=False),
                            per_request_spec_decode_metrics="detailed")
     got = run_job(tmp_path, engine, [{"prompts": subset, "params": _greedy(subset)}])
     batch = got["batches"][0]
@@ -226,4 +228,8 @@ def test_lookup_branches_are_accepted_where_the_target_repeats(plain, dartree8, 
     assert sum(_repeats(p, o) for p, o in zip(prompts, outs)) >= 20, "premise: loops"
     b = dartree8["budget"]
     assert b["lookup_nodes"] > 0 and b["lookup_accepted"] > 0
+    # indices follow their requests incrementally (rebuilt only after a preemption) and are
+    # freed with them
+    assert b["lookup_rebuilds"] <= dartree8["counters"].get("vllm:num_preemptions", 0)
+    assert b["lookup_live_requests"] == 0
     assert dartree8["counters"]["vllm:spec_decode_num_accepted_tokens"] >= b["lookup_accepted"]

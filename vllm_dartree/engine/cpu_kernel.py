@@ -16,6 +16,8 @@ import os
 import platform
 from pathlib import Path
 
+__all__ = ["load", "enabled"]
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "tree_attention_cpu.cpp"

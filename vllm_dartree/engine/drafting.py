@@ -19,7 +19,6 @@ import torch
 import numpy as np
 
 from vllm_dartree.engine.controller import TreeBudget
-from vllm_dartree.engine.lookup_branches import LookupBranches
 from vllm_dartree.engine.tree_inputs import StoredTree
 
 __all__ = ["DraftingMixin"]

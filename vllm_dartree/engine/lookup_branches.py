@@ -33,12 +33,14 @@ class LookupBranches:
         self.config = config
         self.max_new = config.lookup_nodes()
         self._indices: dict[Hashable, LookupIndex] = {}
+        self.rebuilds = 0   # indices rebuilt because they disagreed with the batch (preemption)
 
     def sync(self, rid: Hashable, token_ids: np.ndarray, start: int, count: int) -> None:
         """Request `rid` committed `token_ids[start:start + count]` (its whole row of token
         ids is `token_ids`)."""
         index = self._indices.get(rid)
         if index is None or len(index) != start:
+            self.rebuilds += index is not None
             index = LookupIndex(self.config.lookup_min_n, self.config.lookup_max_n)
             index.extend(token_ids[:start].tolist())
             self._indices[rid] = index

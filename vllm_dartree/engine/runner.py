@@ -199,6 +199,12 @@ class DARTreeWorkerMixin:
     def dartree_budget(self) -> dict:
         """The adaptive budget's counters and fitted costs (`collective_rpc("dartree_budget")`):
         plain / tree / exploring steps, verified trees and nodes, predicted vs observed
-        accepted tokens, live per-request state; {} with `adaptive: false`."""
-        budget = self.model_runner._dt_budget
-        return {} if budget is None else budget.summary()
+        accepted tokens, lookup nodes verified / accepted, live per-request state (lookup
+        indices included) and index rebuilds; {} with `adaptive: false`."""
+        runner = self.model_runner
+        if runner._dt_budget is None:
+            return {}
+        lookup = runner._dt_lookup
+        return {**runner._dt_budget.summary(),
+                "lookup_live_requests": 0 if lookup is None else len(lookup),
+                "lookup_rebuilds": 0 if lookup is None else lookup.rebuilds}

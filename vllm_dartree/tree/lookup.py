@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["LookupIndex", "Continuation", "MergedTree", "merge_branches", "best_first",
-           "lookup_scores", "DRAFTER", "LOOKUP", "BOTH"]
+           "lookup_scores", "reorder", "DRAFTER", "LOOKUP", "BOTH"]
 
 # Node sources (what proposed a node): the calibrator keeps one estimate per source.
 DRAFTER, LOOKUP, BOTH = 0, 1, 2
