@@ -94,7 +94,9 @@ def budget_line(level: dict) -> str:
             f"{1e3 * b['cost_draft_s']:.1f} + {1e3 * b['cost_draft_request_s']:.1f}/req + "
             f"{1e3 * b['cost_draft_depth_s']:.2f}/req/depth ms" + (
                 f"; lookup nodes {b['lookup_accepted']}/{b['lookup_nodes']} accepted, shared "
-                f"{b['shared_accepted']}/{b['shared_nodes']}" if b.get("lookup_nodes") or
+                f"{b['shared_accepted']}/{b['shared_nodes']}; lookup found continuations for "
+                f"{b.get('lookup_offered', 0)} request-steps, verified in "
+                f"{b.get('lookup_offered_planned', 0)}" if b.get("lookup_nodes") or
                 b.get("shared_nodes") else ""))
 
 

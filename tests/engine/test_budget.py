@@ -192,3 +192,4 @@ def test_lookup_nodes_alone_are_verified_without_a_drafter_pass():
     assert budget.plan(["a"], [True], 1, [None]).nodes[0] == 0
     s = budget.stats
     assert s["lookup_nodes"] == 240 and s["lookup_accepted"] == 240
+    assert s["lookup_offered"] == 2 and s["lookup_offered_planned"] == 2

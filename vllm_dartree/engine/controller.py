@@ -85,7 +85,8 @@ class TreeBudget:
                       "draft_passes": 0,
                       "rounds": 0, "nodes": 0, "predicted_accepted": 0.0,
                       "observed_accepted": 0.0, "lookup_nodes": 0, "lookup_accepted": 0,
-                      "shared_nodes": 0, "shared_accepted": 0}
+                      "shared_nodes": 0, "shared_accepted": 0,
+                      "lookup_offered": 0, "lookup_offered_planned": 0}
         self._log_every, self._last_log = log_every, time.monotonic()
 
     # -- planning -------------------------------------------------------------------------
@@ -118,6 +119,10 @@ class TreeBudget:
         before drafting; they replace the lookup nodes of its last tree in the prediction
         and need no drafter depth (depth 0 with nodes: a lookup-only step, no drafter pass)."""
         plan, unknown = self._plan(rids, greedy, num_running, lookup)   # ~1 ms at 16 requests
+        if lookup is not None:   # how often lookup had something, and how often it was used
+            offered = np.array([f is not None for f in lookup], dtype=bool)
+            self.stats["lookup_offered"] += int(offered.sum())
+            self.stats["lookup_offered_planned"] += int((offered & (plan.nodes > 0)).sum())
         return self._finish(plan, unknown)
 
     def _profile(self, rid, g: bool, found):
