@@ -179,8 +179,9 @@ def test_lookup_nodes_alone_are_verified_without_a_drafter_pass():
     assert parents_ok.all()
     for _ in range(60):        # verify both sources: the drafter's fail, lookup's pass
         budget.observe_walk("a", True, scores, depths, [6, 7, 8, 9], sources)
-    budget.cut("a", True, scores, depths,
-               budget.plan(["a"], [True], 1, [(l_scores, l_depths)]), 0, sources)
+    first = budget.plan(["a"], [True], 1, [(l_scores, l_depths)])   # no profile yet
+    assert first.nodes[0] >= 3 and first.depth == 0     # (cap 0 was once never tried)
+    budget.cut("a", True, scores, depths, first, 0, sources)
     plan = budget.plan(["a"], [True], 1, [(l_scores, l_depths)])
     assert plan.nodes[0] >= 3 and plan.depth == 0
     assert budget.predict("a", True, l_scores, l_depths, np.full(4, LOOKUP)).min() > 0.9

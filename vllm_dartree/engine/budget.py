@@ -90,7 +90,8 @@ def plan_budgets(gains: np.ndarray, depths: np.ndarray, costs: BatchCosts,
     best_nodes, best_rate = plain, throughput(gains, depths, plain, costs)
     if r == 0 or gains.shape[1] == 1:
         return Plan(plain, 0, best_rate)
-    for cap in range(1, int(depths.max()) + 1):
+    # cap 0: prefixes that need no drafter depth (lookup nodes alone, no drafter pass)
+    for cap in range(0, int(depths.max()) + 1):
         lam = best_rate
         for _ in range(max_iters):
             nodes = _best_for_depth(gains, depths, cap, costs, lam)
