@@ -119,12 +119,13 @@ def _backbone_tensors(gen, hidden, intermediate, layers, heads, kv_heads, head_d
 def write_tiny_drafter(folder: str | Path, fmt: str, target: str | Path, *, layers: int = 2,
                        block_size: int | None = None, gru_hidden: int = 24, emb_dim: int = 12,
                        markov_rank: int = 8, confidence: bool = True, shards: int = 1,
-                       seed: int = 0) -> Path:
+                       seed: int = 0, draft_vocab: int = 0) -> Path:
     """A drafter checkpoint for `target` in one of DRAFTER_FORMATS, random weights.
 
     "domino-legacy" is the early Domino layout (projector_type "causal_v5", head weights
     under `logit_head.`); "dspark" carries its own copies of embed_tokens / lm_head, as the
-    released DSpark checkpoints do.
+    released DSpark checkpoints do. `draft_vocab` > 0 (DFlash / Domino): a reduced draft
+    vocabulary of that many random target ids (`draft_vocab_ids`).
     """
     if fmt not in DRAFTER_FORMATS:
         raise ValueError(f"fmt = {fmt!r} must be one of {DRAFTER_FORMATS}")
@@ -141,6 +142,11 @@ def write_tiny_drafter(folder: str | Path, fmt: str, target: str | Path, *, laye
     block = block_size or (7 if fmt == "dspark" else 16)
     tensors = _backbone_tensors(gen, hidden, intermediate, layers, heads, kv_heads, head_dim,
                                 len(layer_ids))
+    vocab_ids = None
+    if draft_vocab:
+        if fmt == "dspark":
+            raise ValueError("a draft vocabulary is for DFlash / Domino drafters")
+        vocab_ids = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
     config = {
         "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
@@ -173,10 +179,15 @@ def write_tiny_drafter(folder: str | Path, fmt: str, target: str | Path, *, laye
                 prefix + "prefix_gru.weight_ih_l0": _rand(gen, 3 * gru_hidden, hidden, std=0.3),
                 prefix + "prefix_gru.weight_hh_l0": _rand(gen, 3 * gru_hidden, gru_hidden, std=0.3),
                 prefix + "embed_proj.0.weight": _rand(gen, emb_dim, hidden + gru_hidden, std=0.3),
-                prefix + "embed_proj.2.weight": _rand(gen, vocab, emb_dim, std=0.5),
+                prefix + "embed_proj.2.weight": _rand(gen, draft_vocab or vocab, emb_dim,
+                                                      std=0.5),
             })
+    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}
+    if vocab_ids is not None:
+        config["draft_vocab_size"] = draft_vocab
+        tensors["draft_vocab_ids"] = vocab_ids
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    _save_shards(folder, {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}, shards)
+    _save_shards(folder, tensors, shards)
     return folder
 
 
@@ -201,8 +212,12 @@ class OracleDraftModel:
 
     head = None
 
-    def __init__(self, target: torch.nn.Module, depths: int = 8, layer_ids: tuple[int, ...] = (0,)):
+    def __init__(self, target: torch.nn.Module, depths: int = 8, layer_ids: tuple[int, ...] = (0,),
+                 vocab_ids: torch.Tensor | None = None):
+        """vocab_ids: score only these target ids (a reduced draft vocabulary): where the
+        continuation leaves it, the oracle cannot propose it."""
         self.target, self.depths, self.layer_ids = target, depths, layer_ids
+        self.vocab_ids = vocab_ids
         self.tokens: list[int] = []
 
     def extend(self, tokens: list[int], features: torch.Tensor) -> None:
@@ -221,7 +236,9 @@ class OracleDraftModel:
         vocab = self.target.config.vocab_size
         base = torch.full((1, self.depths, vocab), -20.0)
         base[0, torch.arange(self.depths), torch.tensor(cont)] = 0.0
-        return DraftOutput(hidden=None, base_logits=base)
+        if self.vocab_ids is not None:
+            base = base[..., self.vocab_ids]
+        return DraftOutput(hidden=None, base_logits=base, vocab_ids=self.vocab_ids)
 
 
 def write_tiny_gguf(path: str | Path, *, vocab: int = 300, hidden: int = 32, layers: int = 2,

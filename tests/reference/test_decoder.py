@@ -114,6 +114,30 @@ def test_oracle_is_accepted_to_full_depth_and_stops_inside_paths(models, method)
         assert ReferenceDecoder(target).generate(prompt, params).output_tokens == got.output_tokens
 
 
+@pytest.mark.parametrize("method", ["dartree-pruned", "ddtree", "dflash"])
+def test_draft_vocabulary_tokens_outside_are_never_proposed(models, method):
+    """A drafter with a reduced draft vocabulary that lacks some of the target's next
+    tokens: those are never proposed, the chain stops there, output stays the target's."""
+    target, _ = models
+    depth, params = 6, SamplingParams(max_new_tokens=1 + 3 * 7)
+    # a prompt whose continuation brings a new token at index k >= 2 (the tiny target
+    # repeats itself): that token is left out of the draft vocabulary
+    for prompt in _prompts(8):
+        plain = ReferenceDecoder(target).generate(prompt, params).output_tokens
+        k = next((i for i in range(2, 1 + depth) if plain[i] not in plain[1:i]), None)
+        if k is not None:
+            break
+    assert k is not None
+    ids = torch.tensor([t for t in range(target.config.vocab_size) if t != plain[k]])
+    oracle = ReferenceDecoder(target, OracleDraftModel(target, depth, vocab_ids=ids),
+                              method_config(method, budget=16, width=4, topk=8))
+    got = oracle.generate(prompt, params)
+    assert got.output_tokens == plain
+    accepted = [r.accepted for r in got.rounds]
+    assert 0 < sum(accepted) < depth * len(accepted)    # accepted, and cut where it left
+    assert accepted[0] == min(k - 1, depth)             # plain[1 .. k-1]; never plain[k]
+
+
 def test_kv_cache_after_rounds_equals_a_plain_forward(models):
     """After tree rounds with rejected branches, the target's cache holds exactly the
     committed tokens, as a plain causal forward over them computes."""

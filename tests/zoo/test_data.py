@@ -37,7 +37,7 @@ def test_responses_and_features(tmp_path, monkeypatch):
     with torch.no_grad():
         h = target(shards[1].tokens[None], output_hidden_states=True).hidden_states
     want = torch.cat([h[2][0], h[4][0]], dim=-1)
-    torch.testing.assert_close(shards[1].features, want, atol=0.02, rtol=0.02)
+    torch.testing.assert_close(shards[1].features.float(), want, atol=0.02, rtol=0.02)
     assert [s.first_anchor for s in shards] == [len(r["prompt_ids"]) for r in rows]
     # shards written before prompt lengths were stored take them from responses.jsonl
     old = [{k: v for k, v in item.items() if k != "prompt_len"} for item in torch.load(paths[0])]

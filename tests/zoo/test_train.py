@@ -2,6 +2,7 @@
 a run cut off and resumed equals an uninterrupted one, and the exported Domino folder
 loads with load_drafter and drafts losslessly in the reference decoder."""
 
+import dataclasses
 import math
 
 import pytest
@@ -18,6 +19,8 @@ from vllm_dartree.zoo.train import (
     domino_loss,
     export_domino,
 )
+from vllm_dartree.tree import build_tree
+from vllm_dartree.zoo.draft_vocab import select_draft_vocab
 
 LAYERS = (1, 3)
 
@@ -49,12 +52,23 @@ def setup(tmp_path_factory):
             "shards": shards}
 
 
-def _trainer(setup, workdir, mask=False, **kw):
+def _trainer(setup, workdir, mask=False, vocab=None, **kw):
     t = setup["target"]
     config = TrainConfig(**{"steps": 40, "sequences_per_step": 2, "anchors_per_sequence": 8,
                             "lr": 3e-3, "warmup_steps": 5, "checkpoint_every": 10, **kw})
-    return DrafterTrainer(setup["spec"], t.model.embed_tokens.weight, t.lm_head.weight,
-                          config, workdir, gru_hidden=16, emb_dim=8, learn_mask_embedding=mask)
+    spec = setup["spec"]
+    if vocab is not None:
+        spec = dataclasses.replace(spec, draft_vocab_size=vocab.numel())
+    return DrafterTrainer(spec, t.model.embed_tokens.weight, t.lm_head.weight,
+                          config, workdir, gru_hidden=16, emb_dim=8, learn_mask_embedding=mask,
+                          draft_vocab=vocab)
+
+
+def _vocab(setup, size, leave_out=()):
+    """The `size` most frequent tokens of the shards, without `leave_out`."""
+    vocab = select_draft_vocab([(s.tokens, 0) for s in setup["shards"]], size + len(leave_out),
+                               setup["target"].config.vocab_size)
+    return vocab[~torch.isin(vocab, torch.tensor(list(leave_out), dtype=torch.long))][:size]
 
 
 def test_loss_falls_and_acceptance_rises(setup, tmp_path):
@@ -108,6 +122,7 @@ def _loss_oracle(backbone, head, shard, anchors, gamma, lam):
     """The loss written one anchor and one depth at a time, straight from the recipe."""
     hidden = backbone.anchored_forward(shard.features, shard.tokens, anchors)
     lm_head, length = backbone.lm_head_weight, shard.tokens.shape[0]
+    vocab = backbone.draft_vocab    # a reduced draft vocabulary: CE over its columns only
     total = weight_sum = 0.0
     for a_i, a in enumerate(anchors.tolist()):
         state = head.init(shard.tokens[a:a + 1])[:, 0]            # after the root x_a
@@ -116,18 +131,23 @@ def _loss_oracle(backbone, head, shard, anchors, gamma, lam):
                 break
             label = shard.tokens[a + k]
             z = hidden[a_i, k - 1]
-            base = lm_head @ z
+            base = lm_head @ z if vocab is None else lm_head[vocab] @ z
             final = base if k <= head.num_uncorrected else base + head.correction(z, state[0])
-            ce = lambda logits: -torch.log_softmax(logits, -1)[label]   # noqa: E731
+            column = label if vocab is None else (vocab == label).nonzero().flatten()
+            state = head.gru_step(state, label[None])
+            if column.numel() == 0:       # outside the draft vocabulary: never proposed
+                continue
+            ce = lambda logits: -torch.log_softmax(logits, -1)[column].sum()   # noqa: E731
             w = math.exp(-(k - 1) / gamma)
             total = total + w * ((1 - lam) * ce(final) + lam * ce(base))
             weight_sum += w
-            state = head.gru_step(state, label[None])
     return total / weight_sum
 
 
-def test_loss_equals_per_depth_oracle(setup, tmp_path):
-    trainer = _trainer(setup, tmp_path, mask=True)
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_loss_equals_per_depth_oracle(setup, tmp_path, draft_vocab):
+    vocab = None if draft_vocab is None else _vocab(setup, draft_vocab)
+    trainer = _trainer(setup, tmp_path, mask=True, vocab=vocab)
     with torch.no_grad():           # a head whose corrections matter (init std 0.02 is tiny)
         for p in trainer.head.parameters():
             p.normal_(0, 0.5, generator=torch.Generator().manual_seed(p.numel()))
@@ -170,3 +190,36 @@ def test_export_loads_and_decodes_losslessly(setup, tmp_path):
     tree = ReferenceDecoder(t, DrafterSession(drafter),
                             method_config("dartree-pruned", budget=16, width=4, topk=8))
     assert tree.generate(prompt, params).output_tokens == plain
+
+
+def test_draft_vocab_export_is_lossless_where_the_target_leaves_it(setup, tmp_path):
+    """The target's continuation uses tokens outside the draft vocabulary: the drafter
+    never proposes them, and the output is still the target's own."""
+    t = setup["target"]
+    prompt = setup["shards"][0].tokens[:6].tolist()
+    params = SamplingParams(max_new_tokens=24)
+    plain = ReferenceDecoder(t).generate(prompt, params).output_tokens
+    vocab = _vocab(setup, 48, leave_out=plain[3:9])
+    assert not set(plain[3:9]) & set(vocab.tolist())
+    trainer = _trainer(setup, tmp_path, mask=True, steps=30, vocab=vocab)
+    for _ in range(30):
+        trainer.train_step(setup["shards"])
+    folder = export_domino(trainer, tmp_path / "drafter", t.config.num_hidden_layers)
+    drafter = load_drafter(folder, TargetInfo(t.config.hidden_size, t.config.vocab_size,
+                                              t.config.num_hidden_layers),
+                           t.model.embed_tokens.weight, t.lm_head.weight, dtype=torch.float32)
+    assert torch.equal(drafter.vocab_ids, vocab)
+    for method in ("dartree-pruned", "ddtree", "domino"):
+        session = DrafterSession(drafter)
+        config = method_config(method, budget=16, width=4, topk=8)
+        result = ReferenceDecoder(t, session, config).generate(prompt, params)
+        assert result.output_tokens == plain, method
+        drafted = session.draft(plain[-1])      # one more round: only draft-vocabulary tokens
+        assert drafted.base_logits.shape[-1] == 48
+        tree = build_tree(config, drafted.base_logits, drafted.hidden,
+                          torch.tensor([plain[-1]]), drafter.head, drafted.vocab_ids)
+        assert bool(torch.isin(tree.tokens[0, :int(tree.num_nodes[0])], vocab).all())
+
+    # resuming the run with another draft vocabulary is refused
+    with pytest.raises(ValueError, match="another draft vocabulary"):
+        _trainer(setup, trainer.workdir, mask=True, vocab=vocab[:-1])

@@ -94,7 +94,7 @@ def _measure(backbone, head, spec, batch: int, context: int, repeats: int) -> li
         out = backbone(cache, rids, roots)
         t1 = time.perf_counter()
         timed = _TimedHead(head)
-        build_tree(config, out.base_logits, out.hidden, roots, timed)
+        build_tree(config, out.base_logits, out.hidden, roots, timed, out.vocab_ids)
         t2 = time.perf_counter()
         if rep:   # the first round warms up
             rows.append([t1 - t0, timed.seconds, t2 - t1 - timed.seconds, t2 - t0])

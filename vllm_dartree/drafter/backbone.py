@@ -8,7 +8,8 @@ Data flow of one round (z-lab/dflash; research/drafters.md, section 1):
 - query block: embed([root, MASK, ...]) at positions p0 .. p0 + Q - 1 (p0 = number of
   context tokens = the root's position); every layer attends to [context K/V ; block K/V],
   non-causally; final `norm`. Depth d's hidden is slot `depth_offset + d - 1`; base logits
-  come from the target's lm_head (shared, not copied).
+  come from the target's lm_head (shared, not copied), or from its rows of a reduced draft
+  vocabulary (`set_draft_vocab`: logit column j scores target token `draft_vocab[j]`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ __all__ = ["ContextCache", "DFlashBackbone", "DraftOutput"]
 @dataclass(frozen=True, slots=True)
 class DraftOutput:
     hidden: torch.Tensor       # [R, D, H] backbone hidden state per draft depth (after norm)
-    base_logits: torch.Tensor  # [R, D, V] lm_head(hidden)
+    base_logits: torch.Tensor  # [R, D, V] lm_head(hidden) (V = the draft vocabulary's size)
+    vocab_ids: torch.Tensor | None = None   # [V] target ids of the logits' columns (None:
+    #                                         the columns are the target's vocabulary)
 
 
 class ContextCache:
@@ -113,6 +116,32 @@ class DFlashBackbone(nn.Module):
         self.embed_weight = embed_weight.detach()
         self.lm_head_weight = lm_head_weight.detach()
         self.mask_embedding: nn.Parameter | None = None   # some checkpoints ship their own
+        self.draft_vocab: torch.Tensor | None = None      # [N] int64 target ids, or None
+        self._draft_head: torch.Tensor | None = None       # lm_head rows of draft_vocab
+
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
+        """Score only the target tokens `ids` ([N] int64, strictly increasing); None: all.
+        The N lm_head rows are copied once (N x H), on the lm_head's device."""
+        if ids is None:
+            self.draft_vocab = self._draft_head = None
+            return
+        ids = ids.to(device=self.lm_head_weight.device, dtype=torch.long)
+        self.draft_vocab, self._draft_head = ids, self.lm_head_weight[ids].contiguous()
+
+    def draft_columns(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Target ids -> their logit columns; -1 for tokens outside the draft vocabulary
+        (identity without one). Negative inputs (ignored labels) stay -1."""
+        if self.draft_vocab is None:
+            return torch.where(tokens >= 0, tokens, -1)
+        found = torch.searchsorted(self.draft_vocab, tokens.clamp(min=0))
+        found = found.clamp(max=self.draft_vocab.shape[0] - 1)
+        inside = (self.draft_vocab[found] == tokens) & (tokens >= 0)
+        return torch.where(inside, found, -1)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The output projection: the target's lm_head, or its rows of the draft vocabulary."""
+        return self.lm_head_weight if self._draft_head is None else self._draft_head
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta, dtype)
@@ -163,8 +192,8 @@ class DFlashBackbone(nn.Module):
             x = layer(x, k_i, v_i, valid, cos, sin)
         depths = spec.num_depths if num_depths is None else min(num_depths, spec.num_depths)
         hidden = self.norm(x)[:, spec.depth_offset:spec.depth_offset + depths]
-        logits = linear(hidden, self.lm_head_weight.to(hidden.dtype))
-        return DraftOutput(hidden=hidden, base_logits=logits)
+        logits = linear(hidden, self.output_weight.to(hidden.dtype))
+        return DraftOutput(hidden=hidden, base_logits=logits, vocab_ids=self.draft_vocab)
 
     def anchored_forward(self, target_hidden: torch.Tensor, tokens: torch.Tensor,
                          anchors: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,10 @@ modules, and validates everything against the target before a single tensor is u
 every missing, unexpected or misshaped tensor raises `CheckpointError` naming the file, the
 key, the expected and the found shape. Corrupt or truncated safetensors files are reported
 as such.
+
+A drafter with a reduced draft vocabulary (ours; EAGLE-3 and FR-Spec have the idea) has
+`"draft_vocab_size": N` in config.json and the tensor `draft_vocab_ids`, shape [N], int64,
+the strictly increasing target ids its logit columns score; its GRU head's W2 is [N, E].
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from vllm_dartree.drafter.gru_head import DominoGRUHead
 from vllm_dartree.drafter.markov_head import MarkovHead
 from vllm_dartree.drafter.spec import DrafterSpec, TargetInfo, parse_drafter_config
 
-__all__ = ["CheckpointError", "Drafter", "check_drafter_folder", "load_drafter",
-           "read_safetensors"]
+__all__ = ["CheckpointError", "Drafter", "DRAFT_VOCAB_KEY", "check_drafter_folder",
+           "load_drafter", "read_safetensors"]
 
 # Released-name aliases (research/drafters.md): old prefixes -> ours.
 _ALIASES = (("midlayer.", "layers.0."), ("encoder.fc.", "fc."), ("logit_head.", ""))
@@ -35,6 +39,9 @@ class CheckpointError(ValueError):
     """A drafter checkpoint that does not match its config or the target."""
 
 
+DRAFT_VOCAB_KEY = "draft_vocab_ids"
+
+
 @dataclass
 class Drafter:
     spec: DrafterSpec
@@ -42,13 +49,18 @@ class Drafter:
     head: DominoGRUHead | MarkovHead | None      # None: uncorrected marginals (DFlash)
     confidence_head: nn.Linear | None = None     # DSpark's acceptance predictor (unused here)
 
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        """[N] target ids of the logits' columns (a reduced draft vocabulary), or None."""
+        return self.backbone.draft_vocab
+
 
 def _modules(spec: DrafterSpec, embed: torch.Tensor, lm_head: torch.Tensor) -> Drafter:
     backbone = DFlashBackbone(spec, embed, lm_head)
     head: DominoGRUHead | MarkovHead | None = None
     if spec.head_kind == "gru":
         head = DominoGRUHead(spec.hidden_size, spec.gru_hidden_size, spec.emb_dim,
-                             spec.vocab_size, embed, num_uncorrected=spec.num_uncorrected)
+                             spec.output_size, embed, num_uncorrected=spec.num_uncorrected)
     elif spec.head_kind == "markov":
         head = MarkovHead(spec.vocab_size, spec.markov_rank)
     conf = nn.Linear(spec.confidence_in_dim, 1) if spec.confidence_in_dim else None
@@ -146,24 +158,35 @@ def load_drafter(folder: str | Path, target: TargetInfo, embed_weight: torch.Ten
     drafter = _modules(spec, embed_weight, lm_head_weight)
     expected = _expected(drafter)
     filled: set[str] = set()
-    for shard in _shards(folder):
-        for raw, tensor in read_safetensors(shard).items():
-            key = _canonical(raw)
-            if key in _SHARED_WITH_TARGET:
-                continue
-            if key == "mask_embedding":
-                drafter.backbone.mask_embedding = nn.Parameter(tensor.reshape(-1).float())
-                continue
-            if key not in expected:
-                raise CheckpointError(f"{shard}: unexpected tensor {raw!r} for a {spec.format} "
-                                      f"drafter with this config")
-            want = tuple(expected[key].shape)
-            if tuple(tensor.shape) != want:
-                raise CheckpointError(f"{shard}: tensor {raw!r}: expected shape {want}, "
-                                      f"found {tuple(tensor.shape)}")
-            with torch.no_grad():
-                expected[key].copy_(tensor)
-            filled.add(key)
+    items = [(shard, raw, tensor) for shard in _shards(folder)
+             for raw, tensor in read_safetensors(shard).items()]
+    vocab_ids = None
+    for shard, raw, tensor in items:   # the draft vocabulary first: it sizes the head's W2
+        if _canonical(raw) == DRAFT_VOCAB_KEY:
+            if not spec.draft_vocab_size:
+                raise CheckpointError(f"{shard}: holds {DRAFT_VOCAB_KEY!r} but config.json "
+                                      "has no draft_vocab_size")
+            vocab_ids = _check_draft_vocab(tensor, spec, f"{shard}: tensor {raw!r}")
+    if spec.draft_vocab_size and vocab_ids is None:
+        raise CheckpointError(f"{folder}: config.json sets draft_vocab_size = "
+                              f"{spec.draft_vocab_size} but no shard holds {DRAFT_VOCAB_KEY!r}")
+    for shard, raw, tensor in items:
+        key = _canonical(raw)
+        if key in _SHARED_WITH_TARGET or key == DRAFT_VOCAB_KEY:
+            continue
+        if key == "mask_embedding":
+            drafter.backbone.mask_embedding = nn.Parameter(tensor.reshape(-1).float())
+            continue
+        if key not in expected:
+            raise CheckpointError(f"{shard}: unexpected tensor {raw!r} for a {spec.format} "
+                                  f"drafter with this config")
+        want = tuple(expected[key].shape)
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(f"{shard}: tensor {raw!r}: expected shape {want}, "
+                                  f"found {tuple(tensor.shape)}")
+        with torch.no_grad():
+            expected[key].copy_(tensor)
+        filled.add(key)
     missing = sorted(set(expected) - filled)
     if missing:
         raise CheckpointError(f"{folder}: missing tensors {missing[:6]}"
@@ -172,4 +195,21 @@ def load_drafter(folder: str | Path, target: TargetInfo, embed_weight: torch.Ten
     for module in (drafter.backbone, drafter.head, drafter.confidence_head):
         if module is not None:   # on the target's device (its shared weights live there)
             module.to(device=embed_weight.device, dtype=dtype).eval()
+    drafter.backbone.set_draft_vocab(vocab_ids)
     return drafter
+
+
+def _check_draft_vocab(ids: torch.Tensor, spec: DrafterSpec, where: str) -> torch.Tensor:
+    """The draft vocabulary's target ids, validated: [N] integers, strictly increasing,
+    inside the target's vocabulary."""
+    n = spec.draft_vocab_size
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool or tuple(ids.shape) != (n,):
+        raise CheckpointError(f"{where}: expected int64 [{n}] (draft_vocab_size), found "
+                              f"{ids.dtype} {list(ids.shape)}")
+    ids = ids.long()
+    if n and not (0 <= int(ids[0]) and int(ids[-1]) < spec.vocab_size):
+        raise CheckpointError(f"{where}: target ids must lie in [0, {spec.vocab_size})")
+    if n > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise CheckpointError(f"{where}: target ids must be strictly increasing (sorted, "
+                              "no repeats)")
+    return ids

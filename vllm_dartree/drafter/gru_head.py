@@ -9,7 +9,10 @@ embeddings of the tokens chosen so far, starting from embed(root)):
 Implements the correction-head contract of `vllm_dartree.tree.heads`: the W1 half that reads
 z_d is applied once per round (`prepare`), and W2 is evaluated only on the K candidate rows.
 Weight names follow the released checkpoints: `prefix_gru.weight_{ih,hh}_l0`,
-`embed_proj.0.weight` (W1, [E, H + G]) and `embed_proj.2.weight` (W2, [V, E]).
+`embed_proj.0.weight` (W1, [E, H + G]) and `embed_proj.2.weight` (W2, [V, E]). With a
+reduced draft vocabulary V is its size N: W2's rows follow the backbone's logit columns
+(`prepare` is given those columns), while the GRU reads the target's embeddings of the
+tokens themselves.
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ class DominoGRUHead(nn.Module):
     def __init__(self, hidden_size: int, gru_hidden_size: int, emb_dim: int, vocab_size: int,
                  embed_weight: torch.Tensor, num_uncorrected: int = 1):
         super().__init__()
-        if embed_weight.shape != (vocab_size, hidden_size):
+        if embed_weight.dim() != 2 or embed_weight.shape[1] != hidden_size:
             raise ValueError(f"embed_weight {tuple(embed_weight.shape)} must be "
-                             f"[vocab_size, hidden_size] = [{vocab_size}, {hidden_size}]")
+                             f"[target vocabulary, hidden_size = {hidden_size}]")
         self.hidden_size, self.gru_hidden_size = hidden_size, gru_hidden_size
         self.num_uncorrected = num_uncorrected
         self.prefix_gru = nn.GRU(hidden_size, gru_hidden_size, num_layers=1, bias=False)

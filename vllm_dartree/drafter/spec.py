@@ -52,6 +52,14 @@ class DrafterSpec:
     num_uncorrected: int = 0          # domino: pure_draft_prefix_len
     markov_rank: int = 0              # dspark
     confidence_in_dim: int = 0        # dspark confidence head input (0 = none)
+    # reduced draft vocabulary (config key `draft_vocab_size`; tensor `draft_vocab_ids`
+    # [N] int64, strictly increasing target ids): the drafter scores only these N tokens
+    draft_vocab_size: int = 0         # 0 = the target's whole vocabulary
+
+    @property
+    def output_size(self) -> int:
+        """Columns of the drafter's logits (and rows of a GRU head's W2)."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def head_kind(self) -> str:
@@ -112,8 +120,15 @@ def parse_drafter_config(cfg: dict[str, Any], where: str = "config.json") -> Dra
         rope_theta=float(cfg.get("rope_theta", 1e6)),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         vocab_size=int(_need(cfg, "vocab_size", where)),
+        draft_vocab_size=int(cfg.get("draft_vocab_size") or 0),
     )
+    if not 0 <= common["draft_vocab_size"] <= common["vocab_size"]:
+        raise ValueError(f"{where}: draft_vocab_size = {common['draft_vocab_size']} must be "
+                         f"in [1, vocab_size = {common['vocab_size']}] (or absent)")
     if fmt == "dspark":
+        if common["draft_vocab_size"]:
+            raise NotImplementedError(f"{where}: draft_vocab_size is supported for DFlash and "
+                                      "Domino drafters, not DSpark's Markov head")
         return _dspark_spec(cfg, where, block, common)
     dcfg = _need(cfg, "dflash_config", where)
     ids = dcfg.get("target_layer_ids") or build_target_layer_ids(

@@ -63,7 +63,8 @@ class CheckpointTreeDrafter:
         # the builder grows whatever depths it is given
         self.builder = GraphedTreeBuilder(config.model_copy(update={"max_depth": None}),
                                           drafter.head, buckets=buckets,
-                                          use_graphs=None if cuda_graphs else False)
+                                          use_graphs=None if cuda_graphs else False,
+                                          vocab_ids=drafter.vocab_ids)
 
     def length(self, rid: Hashable) -> int:
         return self.cache.length(rid)

@@ -191,7 +191,7 @@ class ReferenceDecoder:
         t.append(time.perf_counter())
         roots = torch.tensor([root], device=self.device)
         tree = build_tree(self.config, drafted.base_logits, drafted.hidden, roots,
-                          self.draft_model.head)
+                          self.draft_model.head, drafted.vocab_ids)
         n = int(tree.num_nodes[0])
         tree = tree.narrow(n)
         t.append(time.perf_counter())

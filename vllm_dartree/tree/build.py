@@ -51,23 +51,37 @@ class CandidateTables:
     logits: torch.Tensor    # [R, D, K] float32 (float64 in tests), their base logits
     log_norm: torch.Tensor  # [R, D] same dtype, logsumexp of the full-vocabulary base logits
     #                         (NaN at depths that are renormalised over K instead)
+    columns: torch.Tensor | None = None   # [R, D, K] the candidates' columns in the logits
+    #   (= the rows of a head's output projection) when the drafter scores a reduced draft
+    #   vocabulary; None when the logits span the target's vocabulary (columns == ids)
+
+    @property
+    def head_ids(self) -> torch.Tensor:
+        """What a correction head's `prepare` indexes its output projection with."""
+        return self.ids if self.columns is None else self.columns
 
 
 def candidate_tables(base_logits: torch.Tensor, k: int,
-                     num_normalised: int | None = None) -> CandidateTables:
+                     num_normalised: int | None = None,
+                     vocab_ids: torch.Tensor | None = None) -> CandidateTables:
     """base_logits [R, D, V] -> the shared per-depth candidates (top-k, k <= V).
 
     Only the first `num_normalised` depths (default all) get the full-vocabulary
     normaliser; the others are renormalised over their K candidates and never read it
     (NaN there), which saves a logsumexp over [R, D - 1, V] per round with a head.
+    `vocab_ids` [V] maps the logits' columns to target token ids (a drafter with a reduced
+    draft vocabulary); tokens outside it are never candidates.
     """
     logits = base_logits.to(torch.promote_types(base_logits.dtype, torch.float32))
     vals, ids = torch.topk(logits, k, dim=-1)
+    columns = None
+    if vocab_ids is not None:
+        columns, ids = ids, vocab_ids[ids]
     depths = logits.shape[1] if num_normalised is None else min(num_normalised, logits.shape[1])
     log_norm = torch.full(logits.shape[:2], float("nan"), dtype=logits.dtype,
                           device=logits.device)
     log_norm[:, :depths] = torch.logsumexp(logits[:, :depths], dim=-1)
-    return CandidateTables(ids=ids, logits=vals, log_norm=log_norm)
+    return CandidateTables(ids=ids, logits=vals, log_norm=log_norm, columns=columns)
 
 
 def pruned_quotas(num_depths: int, width: int, k: int) -> list[int]:
@@ -256,5 +270,5 @@ def build_chain_ddtree(
     corrected = torch.stack(logits, dim=1)                                  # [R, D, K]
     vals, order = torch.sort(corrected, dim=-1, descending=True)
     chain_tables = CandidateTables(ids=torch.gather(tables.ids, 2, order), logits=vals,
-                                   log_norm=torch.stack(norms, dim=1))
+                                   log_norm=torch.stack(norms, dim=1))   # no head reads it
     return build_ddtree(chain_tables, root_tokens, budget)

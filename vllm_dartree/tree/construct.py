@@ -40,22 +40,24 @@ def build_tree(
     hidden: torch.Tensor | None,
     root_tokens: torch.Tensor,
     head: CorrectionHead | None,
+    vocab_ids: torch.Tensor | None = None,
 ) -> TreeBatch:
     """Build this round's trees for R requests.
 
     base_logits: [R, D, V] the backbone's logits per draft depth; hidden: [R, D, H] its
     hidden states (what the correction head reads); root_tokens: [R] int64, the last
-    committed token of each request. Returns a TreeBatch of static width, at most
+    committed token of each request; vocab_ids: [V] the target ids of the logits' columns for
+    a drafter with a reduced draft vocabulary (None: the columns are target ids). Returns a TreeBatch of static width, at most
     `budget` nodes per request, in best-first order (`best_first_order`): any prefix is the
     best tree of its size.
     """
-    tree = _build(config, base_logits, hidden, root_tokens, head)
+    tree = _build(config, base_logits, hidden, root_tokens, head, vocab_ids)
     # DDTree ranks by plain path score; the others by score + beta * depth.
     beta = 0.0 if config.builder in ("ddtree", "chain-ddtree") else config.depth_bonus
     return best_first_order(tree, beta)
 
 
-def _build(config, base_logits, hidden, root_tokens, head) -> TreeBatch:
+def _build(config, base_logits, hidden, root_tokens, head, vocab_ids) -> TreeBatch:
     vocab = base_logits.shape[-1]
     config.check_drafter(vocab_size=vocab, num_depths=base_logits.shape[1])
     depths = config.num_depths(base_logits.shape[1])
@@ -64,13 +66,13 @@ def _build(config, base_logits, hidden, root_tokens, head) -> TreeBatch:
     if head is None or not config.correction:
         head = NoHead()
     tables = candidate_tables(base_logits[:, :depths], num_candidates(config, vocab),
-                              num_normalised=head.num_uncorrected)
+                              num_normalised=head.num_uncorrected, vocab_ids=vocab_ids)
     if config.builder == "ddtree":
         return build_ddtree(tables, root_tokens, config.budget)
     if config.builder == "sequential-heap":
         return build_sequential_heap(tables, head, hidden, root_tokens, budget=config.budget,
                                      depth_bonus=config.depth_bonus)
-    prepared = head.prepare(hidden, tables.ids)
+    prepared = head.prepare(hidden, tables.head_ids)
     if config.builder == "chain":
         return build_chain(tables, head, prepared, root_tokens, config.budget)
     if config.builder == "chain-ddtree":

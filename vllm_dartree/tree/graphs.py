@@ -63,12 +63,14 @@ class GraphedTreeBuilder:
 
     def __init__(self, config: DARTreeConfig, head: CorrectionHead | None,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, use_graphs: bool | None = None,
-                 with_mask: bool = False, pad: bool = False):
+                 with_mask: bool = False, pad: bool = False,
+                 vocab_ids: torch.Tensor | None = None):
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets {buckets} must be increasing positive batch sizes")
         self.config, self.head, self.buckets = config, head, tuple(buckets)
         self.use_graphs, self.with_mask = use_graphs, with_mask
         self.pad = pad            # pad to buckets without graphs (tests); default: graphs only
+        self.vocab_ids = vocab_ids   # a reduced draft vocabulary's target ids (build_tree)
         self._captured: dict[tuple, _Captured] = {}
         self._pool = None
         self.replays = 0          # rounds served from a graph (for tests and benchmarks)
@@ -79,7 +81,7 @@ class GraphedTreeBuilder:
         return self.buckets[i] if i < len(self.buckets) else None
 
     def _round(self, logits, hidden, roots) -> tuple[TreeBatch, torch.Tensor | None]:
-        tree = build_tree(self.config, logits, hidden, roots, self.head)
+        tree = build_tree(self.config, logits, hidden, roots, self.head, self.vocab_ids)
         return tree, ops.ancestor_bitmask(tree.parents) if self.with_mask else None
 
     @torch.no_grad()

@@ -111,8 +111,9 @@ def build_sequential_heap(
     trees = []
     for r in range(tables.ids.shape[0]):
         one = CandidateTables(tables.ids[r:r + 1], tables.logits[r:r + 1],
-                              tables.log_norm[r:r + 1])
-        prepared = head.prepare(None if hidden is None else hidden[r:r + 1], one.ids)
+                              tables.log_norm[r:r + 1],
+                              None if tables.columns is None else tables.columns[r:r + 1])
+        prepared = head.prepare(None if hidden is None else hidden[r:r + 1], one.head_ids)
         trees.append(_sequential_heap_one(one, head, prepared, root_tokens[r:r + 1], budget,
                                           depth_bonus))
     return _to_batch(trees, budget, tables.logits)

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from vllm_dartree.drafter import DFlashBackbone, DominoGRUHead, DrafterSpec
+from vllm_dartree.drafter.checkpoint import DRAFT_VOCAB_KEY
 
 __all__ = ["TrainConfig", "FeatureShard", "DrafterTrainer", "domino_loss", "export_domino",
            "spec_for_target", "main"]
@@ -88,8 +89,11 @@ def domino_loss(backbone: DFlashBackbone, head: DominoGRUHead, shard: FeatureSha
     target_pos = anchors[:, None] + d[None, :]                                 # x_{a+k}
     valid = target_pos < tokens.shape[0]
     labels = torch.where(valid, tokens[target_pos.clamp(max=tokens.shape[0] - 1)], -100)
+    # The labels' logit columns: -1 outside a reduced draft vocabulary (never proposed, so
+    # not trained; counted as misses by the acceptance statistics).
+    columns = backbone.draft_columns(labels)
     # One large product each (contiguous [A*D, V] logits; under bf16 autocast on AMX).
-    base = torch.nn.functional.linear(hidden, backbone.lm_head_weight.to(hidden.dtype))
+    base = torch.nn.functional.linear(hidden, backbone.output_weight.to(hidden.dtype))
     # Teacher-forced GRU states: S_0 after the root, S_k after the ground-truth x_{a+1..a+k};
     # depth k >= num_uncorrected is corrected from (z_k, S_k), all depths in one call.
     skip = head.num_uncorrected
@@ -100,16 +104,17 @@ def domino_loss(backbone: DFlashBackbone, head: DominoGRUHead, shard: FeatureSha
     final = torch.cat([base[:, :skip], base[:, skip:] + corrections.to(base.dtype)], dim=1)
     weights = torch.exp(-(d.float() - 1) / gamma)[None, :].expand_as(labels)
     ce = torch.nn.functional.cross_entropy
-    flat = labels.reshape(-1)
+    trained = columns >= 0
+    flat = torch.where(trained, columns, -100).reshape(-1)
     ce_final = ce(final.reshape(-1, final.shape[-1]).float(), flat, reduction="none")
     ce_base = ce(base.reshape(-1, base.shape[-1]).float(), flat, reduction="none")
-    w = (weights * valid).reshape(-1)
+    w = (weights * trained).reshape(-1)
     loss = (((1 - lam) * ce_final + lam * ce_base) * w).sum() / w.sum().clamp(min=1e-6)
     with torch.no_grad():
-        right = (final.argmax(-1) == labels) & valid
+        right = (final.argmax(-1) == columns) & trained
         accepted = torch.cumprod(right.long(), dim=1).sum()
     return loss, {"tokens": int(valid.sum()), "accepted": int(accepted),
-                  "anchors": int(anchors.shape[0])}
+                  "anchors": int(anchors.shape[0]), "covered": int(trained.sum())}
 
 
 class DrafterTrainer:
@@ -117,13 +122,20 @@ class DrafterTrainer:
 
     def __init__(self, spec: DrafterSpec, embed_weight: torch.Tensor,
                  lm_head_weight: torch.Tensor, config: TrainConfig, workdir: str | Path,
-                 gru_hidden: int = 256, emb_dim: int = 64, learn_mask_embedding: bool = False):
+                 gru_hidden: int = 256, emb_dim: int = 64, learn_mask_embedding: bool = False,
+                 draft_vocab: torch.Tensor | None = None):
+        """draft_vocab: [N] strictly increasing target ids the drafter scores (a reduced
+        draft vocabulary, `zoo.draft_vocab`); spec.draft_vocab_size must be N."""
         torch.manual_seed(config.seed)
         self.spec, self.config, self.workdir = spec, config, Path(workdir)
+        if (0 if draft_vocab is None else draft_vocab.numel()) != spec.draft_vocab_size:
+            raise ValueError(f"draft_vocab has {0 if draft_vocab is None else draft_vocab.numel()}"
+                             f" ids; the spec's draft_vocab_size is {spec.draft_vocab_size}")
         self.backbone = DFlashBackbone(spec, embed_weight.float(), lm_head_weight.float())
+        self.backbone.set_draft_vocab(draft_vocab)
         if learn_mask_embedding:   # targets without a mask token (SmolLM2): learn its input
             self.backbone.mask_embedding = torch.nn.Parameter(torch.zeros(spec.hidden_size))
-        self.head = DominoGRUHead(spec.hidden_size, gru_hidden, emb_dim, spec.vocab_size,
+        self.head = DominoGRUHead(spec.hidden_size, gru_hidden, emb_dim, spec.output_size,
                                   embed_weight.float(), num_uncorrected=1)
         self._init_weights()
         params = [p for m in (self.backbone, self.head) for p in m.parameters()]
@@ -150,7 +162,7 @@ class DrafterTrainer:
         return {"step": self.step, "backbone": self.backbone.state_dict(),
                 "head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "generator": self.generator.get_state(), "history": self.history,
-                "config": asdict(self.config)}
+                "config": asdict(self.config), "draft_vocab": self.backbone.draft_vocab}
 
     def save(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -162,6 +174,11 @@ class DrafterTrainer:
         if not self.checkpoint_path.exists():
             return
         state = torch.load(self.checkpoint_path, weights_only=False)
+        saved, ours = state.get("draft_vocab"), self.backbone.draft_vocab
+        if (saved is None) != (ours is None) or (saved is not None and not torch.equal(saved,
+                                                                                    ours)):
+            raise ValueError(f"{self.checkpoint_path} was trained with another draft vocabulary"
+                             " than this run's: use a new --workdir or the same --draft-vocab")
         self.backbone.load_state_dict(state["backbone"], strict=False)
         self.head.load_state_dict(state["head"], strict=False)
         self.optimizer.load_state_dict(state["optimizer"])
@@ -222,6 +239,8 @@ def export_domino(trainer: DrafterTrainer, folder: str | Path, num_target_layers
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(dtype).contiguous()
                for k, v in [*trainer.backbone.named_parameters(), *head.named_parameters()]}
+    if trainer.backbone.draft_vocab is not None:
+        tensors[DRAFT_VOCAB_KEY] = trainer.backbone.draft_vocab.to(torch.int64).contiguous()
     config = {
         "architectures": ["DominoDraftModel"], "model_type": "qwen3",
         "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
@@ -229,6 +248,7 @@ def export_domino(trainer: DrafterTrainer, folder: str | Path, num_target_layers
         "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
         "rms_norm_eps": spec.rms_norm_eps, "rope_theta": spec.rope_theta,
         "vocab_size": spec.vocab_size, "block_size": spec.query_len,
+        **({"draft_vocab_size": spec.draft_vocab_size} if spec.draft_vocab_size else {}),
         "num_target_layers": num_target_layers,
         "dflash_config": {"mask_token_id": spec.mask_token_id,
                           "target_layer_ids": list(spec.target_layer_ids),
@@ -242,7 +262,8 @@ def export_domino(trainer: DrafterTrainer, folder: str | Path, num_target_layers
 
 
 def spec_for_target(target_config, layer_ids: list[int], num_layers: int = 1,
-                    block_size: int = 16, mask_token_id: int = 0) -> DrafterSpec:
+                    block_size: int = 16, mask_token_id: int = 0,
+                    draft_vocab_size: int = 0) -> DrafterSpec:
     """A Domino spec sized like the target (its hidden size, heads and RoPE)."""
     heads = target_config.num_attention_heads
     return DrafterSpec(
@@ -254,7 +275,29 @@ def spec_for_target(target_config, layer_ids: list[int], num_layers: int = 1,
         rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),
         vocab_size=target_config.vocab_size, target_layer_ids=tuple(layer_ids),
         mask_token_id=mask_token_id, query_len=block_size, depth_offset=0,
-        num_depths=block_size, num_uncorrected=1)
+        num_depths=block_size, num_uncorrected=1, draft_vocab_size=draft_vocab_size)
+
+
+def _draft_vocab(args, train: list[FeatureShard], held: list[FeatureShard], tcfg):
+    """The run's draft vocabulary: chosen once from the training responses (EOS always in),
+    then read back from WORKDIR/draft_vocab.pt so a resumed run keeps it."""
+    from vllm_dartree.zoo.draft_vocab import coverage, select_draft_vocab
+    path = args.workdir / "draft_vocab.pt"
+    if path.exists():
+        vocab = torch.load(path)
+    elif not args.draft_vocab or args.draft_vocab >= tcfg.vocab_size:
+        vocab = None
+    else:
+        eos = tcfg.eos_token_id if isinstance(tcfg.eos_token_id, list) else [tcfg.eos_token_id]
+        vocab = select_draft_vocab(((s.tokens, s.first_anchor) for s in train), args.draft_vocab,
+                                   tcfg.vocab_size, always=[t for t in eos if t is not None])
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        torch.save(vocab, path)
+    if vocab is not None:
+        share = coverage(((s.tokens, s.first_anchor) for s in held), vocab)
+        print(f"draft vocabulary: {vocab.numel()} of {tcfg.vocab_size} target tokens; "
+              f"{100 * share:.2f}% of the held-out response tokens inside", flush=True)
+    return vocab
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -271,6 +314,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gru-hidden", type=int, default=256)
     parser.add_argument("--emb-dim", type=int, default=64)
+    parser.add_argument("--draft-vocab", type=int, default=8192,
+                        help="score only the N most frequent response tokens of the training "
+                             "data (0: the target's whole vocabulary); fixed at the first run "
+                             "in WORKDIR/draft_vocab.pt")
     parser.add_argument("--held-out", type=int, default=16)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
@@ -287,11 +334,13 @@ def main(argv: list[str] | None = None) -> None:
     layer_ids = [int(i) for i in args.layers.split(",")]
     shards = load_shards(sorted(args.data.glob("features-*.pt")), args.data / "responses.jsonl")
     held, train = shards[:args.held_out], shards[args.held_out:]
-    spec = spec_for_target(tcfg, layer_ids, args.draft_layers, args.block_size)
+    vocab = _draft_vocab(args, train, held, tcfg)
+    spec = spec_for_target(tcfg, layer_ids, args.draft_layers, args.block_size,
+                           draft_vocab_size=0 if vocab is None else vocab.numel())
     config = TrainConfig(steps=args.steps, bf16=args.precision == "bf16")
     trainer = DrafterTrainer(spec, embed, head, config, args.workdir,
                              gru_hidden=args.gru_hidden, emb_dim=args.emb_dim,
-                             learn_mask_embedding=True)
+                             learn_mask_embedding=True, draft_vocab=vocab)
     print(f"{len(train)} training / {len(held)} held-out sequences; resuming at step "
           f"{trainer.step} of {args.steps}", flush=True)
     start = time.perf_counter()
