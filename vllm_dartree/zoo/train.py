@@ -197,7 +197,7 @@ class DrafterTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = cfg.lr_at(self.step)
         self.optimizer.zero_grad()
-        total, stats = 0.0, {"tokens": 0, "accepted": 0, "anchors": 0}
+        total, stats = 0.0, {"tokens": 0, "accepted": 0, "anchors": 0, "covered": 0}
         for i in picks.tolist():
             shard = shards[i]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
@@ -212,7 +212,8 @@ class DrafterTrainer:
         self.optimizer.step()
         self.step += 1
         record = {"step": self.step, "loss": total,
-                  "tf_accept": stats["accepted"] / max(1, stats["anchors"])}
+                  "tf_accept": stats["accepted"] / max(1, stats["anchors"]),
+                  "positions": stats["covered"]}   # supervised (anchor, depth) labels
         self.history.append(record)
         if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
             self.save()
@@ -278,6 +279,14 @@ def spec_for_target(target_config, layer_ids: list[int], num_layers: int = 1,
         num_depths=block_size, num_uncorrected=1, draft_vocab_size=draft_vocab_size)
 
 
+def _has_amx() -> bool:
+    """The CPU multiplies bf16 matrices in AMX tiles (Sapphire Rapids and later)."""
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def _draft_vocab(args, train: list[FeatureShard], held: list[FeatureShard], tcfg):
     """The run's draft vocabulary: chosen once from the training responses (EOS always in),
     then read back from WORKDIR/draft_vocab.pt so a resumed run keeps it."""
@@ -320,8 +329,10 @@ def main(argv: list[str] | None = None) -> None:
                              "in WORKDIR/draft_vocab.pt")
     parser.add_argument("--held-out", type=int, default=16)
     parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
-                        help="matrix products in bf16 autocast (fp32 master weights) or fp32")
+    parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                        help="matrix products in bf16 autocast (fp32 master weights) or fp32; "
+                             "auto: bf16 where the CPU has AMX, else fp32 (bf16 without AMX "
+                             "is ~25x slower: python -m vllm_dartree.bench.train_speed --bf16)")
     args = parser.parse_args(argv)
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -337,7 +348,9 @@ def main(argv: list[str] | None = None) -> None:
     vocab = _draft_vocab(args, train, held, tcfg)
     spec = spec_for_target(tcfg, layer_ids, args.draft_layers, args.block_size,
                            draft_vocab_size=0 if vocab is None else vocab.numel())
-    config = TrainConfig(steps=args.steps, bf16=args.precision == "bf16")
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and _has_amx())
+    print(f"matrix products in {'bf16 autocast' if bf16 else 'fp32'}", flush=True)
+    config = TrainConfig(steps=args.steps, bf16=bf16)
     trainer = DrafterTrainer(spec, embed, head, config, args.workdir,
                              gru_hidden=args.gru_hidden, emb_dim=args.emb_dim,
                              learn_mask_embedding=True, draft_vocab=vocab)
