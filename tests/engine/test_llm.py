@@ -122,11 +122,20 @@ def test_dartree_greedy_equals_plain_one_seq_and_matches_reference(tiny, plain, 
         assert res["spec"]["per_step_accepted"] == [r.accepted for r in ref.rounds]
 
 
-@pytest.mark.parametrize("builder,budget", [("ddtree", TREE["budget"]), ("chain", 6)])
-def test_baseline_builders_equal_plain(tiny, plain, prompts, builder, budget, tmp_path):
+@pytest.mark.parametrize("builder,budget,draft_vocab", [("ddtree", TREE["budget"], 0),
+                                                       ("chain", 6, 0),
+                                                       ("dartree", TREE["budget"], 96)])
+def test_baseline_builders_equal_plain(tiny, plain, prompts, builder, budget, draft_vocab,
+                                       tmp_path):
     """The chain at a budget below the drafter's 16 depths: it is cut at the budget (it once
-    handed vLLM 16 drafts for 6 per-position counters and killed the engine)."""
-    spec = dartree_spec(tiny["drafter"], builder=builder, budget=budget)
+    handed vLLM 16 drafts for 6 per-position counters and killed the engine). A drafter with
+    a reduced draft vocabulary (96 tokens) drafts target ids through the engine's builder."""
+    from vllm_dartree.testing import write_tiny_drafter
+    drafter = tiny["drafter"]
+    if draft_vocab:
+        drafter = write_tiny_drafter(tmp_path / "draft-vocab", "domino", tiny["target"],
+                                     draft_vocab=draft_vocab)
+    spec = dartree_spec(drafter, builder=builder, budget=budget)
     engine = engine_kwargs(tiny["target"], **BATCHED, speculative_config=spec)
     got = run_job(tmp_path, engine, [{"prompts": prompts, "params": _greedy(prompts)}])
     _assert_same(_tokens(got["batches"][0]), _tokens(plain["batches"][0]), builder)

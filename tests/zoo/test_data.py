@@ -31,7 +31,10 @@ def test_responses_and_features(tmp_path, monkeypatch):
     mtime = os.path.getmtime(out)
     generate_responses(target_dir, prompts, out, max_tokens=12)      # resumes: nothing to do
     assert os.path.getmtime(out) == mtime
-    paths = write_features(target_dir, out, tmp_path, [1, 3])
+    # while generation is under way (4 prompts, 3 responses) the partial shard waits
+    assert write_features(target_dir, out, tmp_path, [1, 3], total=4) == []
+    assert not list(tmp_path.glob("features-*.pt"))
+    paths = write_features(target_dir, out, tmp_path, [1, 3], total=3)
     shards = load_shards(paths)
     assert len(shards) == 3
     with torch.no_grad():

@@ -343,7 +343,9 @@ def main(argv: list[str] | None = None) -> None:
     embed = target.get_input_embeddings().weight.detach()
     head = target.get_output_embeddings().weight.detach()
     layer_ids = [int(i) for i in args.layers.split(",")]
-    shards = load_shards(sorted(args.data.glob("features-*.pt")), args.data / "responses.jsonl")
+    # ShareGPT shards first (the held-out sequences come from them), then the code shards
+    shards = (load_shards(sorted(args.data.glob("features-*.pt")), args.data / "responses.jsonl")
+              + load_shards(sorted(args.data.glob("code-features-*.pt"))))
     held, train = shards[:args.held_out], shards[args.held_out:]
     vocab = _draft_vocab(args, train, held, tcfg)
     spec = spec_for_target(tcfg, layer_ids, args.draft_layers, args.block_size,
