@@ -223,3 +223,14 @@ def test_draft_vocab_export_is_lossless_where_the_target_leaves_it(setup, tmp_pa
     # resuming the run with another draft vocabulary is refused
     with pytest.raises(ValueError, match="another draft vocabulary"):
         _trainer(setup, trainer.workdir, mask=True, vocab=vocab[:-1])
+
+
+def test_draft_layers_start_from_target_layers(setup, tmp_path):
+    t = setup["target"]
+    layer = t.model.layers[2]
+    trainer = DrafterTrainer(setup["spec"], t.model.embed_tokens.weight, t.lm_head.weight,
+                             TrainConfig(steps=1), tmp_path, gru_hidden=16, emb_dim=8,
+                             init_layers=[layer.state_dict()])
+    ours = trainer.backbone.layers[0].state_dict()
+    for name, value in layer.state_dict().items():
+        assert torch.equal(ours[name], value), name

@@ -33,7 +33,7 @@ from vllm_dartree.drafter import DFlashBackbone, DominoGRUHead, DrafterSpec
 from vllm_dartree.drafter.checkpoint import DRAFT_VOCAB_KEY
 
 __all__ = ["TrainConfig", "FeatureShard", "DrafterTrainer", "domino_loss", "export_domino",
-           "spec_for_target", "main"]
+           "held_out_acceptance", "spec_for_target", "main"]
 
 
 @dataclass(frozen=True)
@@ -123,9 +123,11 @@ class DrafterTrainer:
     def __init__(self, spec: DrafterSpec, embed_weight: torch.Tensor,
                  lm_head_weight: torch.Tensor, config: TrainConfig, workdir: str | Path,
                  gru_hidden: int = 256, emb_dim: int = 64, learn_mask_embedding: bool = False,
-                 draft_vocab: torch.Tensor | None = None):
+                 draft_vocab: torch.Tensor | None = None,
+                 init_layers: list[dict[str, torch.Tensor]] | None = None):
         """draft_vocab: [N] strictly increasing target ids the drafter scores (a reduced
-        draft vocabulary, `zoo.draft_vocab`); spec.draft_vocab_size must be N."""
+        draft vocabulary, `zoo.draft_vocab`); spec.draft_vocab_size must be N. init_layers:
+        state dicts of target decoder layers to start the draft layers from (else random)."""
         torch.manual_seed(config.seed)
         self.spec, self.config, self.workdir = spec, config, Path(workdir)
         if (0 if draft_vocab is None else draft_vocab.numel()) != spec.draft_vocab_size:
@@ -138,6 +140,11 @@ class DrafterTrainer:
         self.head = DominoGRUHead(spec.hidden_size, gru_hidden, emb_dim, spec.output_size,
                                   embed_weight.float(), num_uncorrected=1)
         self._init_weights()
+        for layer, weights in zip(self.backbone.layers, init_layers or ()):
+            # a target layer's weights (Llama / Qwen names); Qwen3's q/k norms stay at 1
+            missing, _ = layer.load_state_dict(weights, strict=False)
+            if any(not k.endswith(("q_norm.weight", "k_norm.weight")) for k in missing):
+                raise ValueError(f"the target layer lacks {missing} of a draft layer")
         params = [p for m in (self.backbone, self.head) for p in m.parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=config.lr,
                                            weight_decay=config.weight_decay)
@@ -219,17 +226,22 @@ class DrafterTrainer:
             self.save()
         return record
 
-    @torch.no_grad()
     def evaluate(self, shards: list[FeatureShard]) -> float:
-        """Mean teacher-forced acceptance length per anchor on held-out sequences (16 evenly
-        spaced anchors per sequence, in its response: where the drafter will draft)."""
-        accepted = anchors = 0
-        for shard in shards:
-            lo, hi = shard.anchor_range()
-            a = torch.arange(lo, hi, max(1, (hi - lo) // 16))
-            _, s = domino_loss(self.backbone, self.head, shard, a, self.config.gamma, 0.0)
-            accepted, anchors = accepted + s["accepted"], anchors + s["anchors"]
-        return accepted / max(1, anchors)
+        return held_out_acceptance(self.backbone, self.head, shards)
+
+
+@torch.no_grad()
+def held_out_acceptance(backbone: DFlashBackbone, head: DominoGRUHead,
+                        shards: list[FeatureShard]) -> float:
+    """Mean teacher-forced chain acceptance length per anchor on held-out sequences (16
+    evenly spaced anchors per sequence, in its response: where the drafter will draft)."""
+    accepted = anchors = 0
+    for shard in shards:
+        lo, hi = shard.anchor_range()
+        a = torch.arange(lo, hi, max(1, (hi - lo) // 16))
+        _, s = domino_loss(backbone, head, shard, a, 7.0, 0.0)
+        accepted, anchors = accepted + s["accepted"], anchors + s["anchors"]
+    return accepted / max(1, anchors)
 
 
 def export_domino(trainer: DrafterTrainer, folder: str | Path, num_target_layers: int,
@@ -316,13 +328,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", required=True, type=Path)
     parser.add_argument("--data", required=True, type=Path, help="the zoo.data workdir")
     parser.add_argument("--layers", required=True, help="target layer ids used by zoo.data")
-    parser.add_argument("--workdir", required=True, type=Path)
+    parser.add_argument("--workdir", type=Path, help="the run's checkpoints (required to train)")
     parser.add_argument("--export", type=Path, help="write the Domino folder here at the end")
+    parser.add_argument("--evaluate", type=Path, metavar="DRAFTER",
+                        help="only measure this Domino folder's held-out acceptance and exit")
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--draft-layers", type=int, default=1)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gru-hidden", type=int, default=256)
     parser.add_argument("--emb-dim", type=int, default=64)
+    parser.add_argument("--init-from-target", metavar="L1[,L2]",
+                        help="start the draft layers from these target layers (0-based ids; "
+                             "default: random)")
     parser.add_argument("--draft-vocab", type=int, default=8192,
                         help="score only the N most frequent response tokens of the training "
                              "data (0: the target's whole vocabulary); fixed at the first run "
@@ -334,6 +351,8 @@ def main(argv: list[str] | None = None) -> None:
                              "auto: bf16 where the CPU has AMX, else fp32 (bf16 without AMX "
                              "is ~25x slower: python -m vllm_dartree.bench.train_speed --bf16)")
     args = parser.parse_args(argv)
+    if args.workdir is None and args.evaluate is None:
+        parser.error("--workdir is required to train")
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -347,15 +366,31 @@ def main(argv: list[str] | None = None) -> None:
     shards = (load_shards(sorted(args.data.glob("features-*.pt")), args.data / "responses.jsonl")
               + load_shards(sorted(args.data.glob("code-features-*.pt"))))
     held, train = shards[:args.held_out], shards[args.held_out:]
+    if args.evaluate:
+        from vllm_dartree.drafter import TargetInfo, load_drafter
+        drafter = load_drafter(args.evaluate, TargetInfo(tcfg.hidden_size, tcfg.vocab_size,
+                                                         tcfg.num_hidden_layers),
+                               embed, head, dtype=torch.float32)
+        print(f"{args.evaluate}: held-out accepted "
+              f"{held_out_acceptance(drafter.backbone, drafter.head, held):.3f} "
+              f"({len(held)} sequences x 16 anchors)")
+        return
     vocab = _draft_vocab(args, train, held, tcfg)
     spec = spec_for_target(tcfg, layer_ids, args.draft_layers, args.block_size,
                            draft_vocab_size=0 if vocab is None else vocab.numel())
     bf16 = args.precision == "bf16" or (args.precision == "auto" and _has_amx())
     print(f"matrix products in {'bf16 autocast' if bf16 else 'fp32'}", flush=True)
     config = TrainConfig(steps=args.steps, bf16=bf16)
+    init = None
+    if args.init_from_target:
+        ids = [int(i) for i in args.init_from_target.split(",")]
+        if len(ids) != args.draft_layers:
+            parser.error(f"--init-from-target names {len(ids)} layers for "
+                         f"{args.draft_layers} draft layers")
+        init = [target.model.layers[i].state_dict() for i in ids]
     trainer = DrafterTrainer(spec, embed, head, config, args.workdir,
                              gru_hidden=args.gru_hidden, emb_dim=args.emb_dim,
-                             learn_mask_embedding=True, draft_vocab=vocab)
+                             learn_mask_embedding=True, draft_vocab=vocab, init_layers=init)
     print(f"{len(train)} training / {len(held)} held-out sequences; resuming at step "
           f"{trainer.step} of {args.steps}", flush=True)
     start = time.perf_counter()
