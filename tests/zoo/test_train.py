@@ -3,6 +3,7 @@ a run cut off and resumed equals an uninterrupted one, and the exported Domino f
 loads with load_drafter and drafts losslessly in the reference decoder."""
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -33,7 +34,6 @@ def setup(tmp_path_factory):
     target_dir = write_tiny_target(root / "target", seed=4)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     template = write_tiny_drafter(root / "template", "domino", target_dir, layers=1)
-    import json
     cfg = json.loads((template / "config.json").read_text())
     cfg["dflash_config"]["target_layer_ids"] = list(LAYERS)
     cfg["block_size"] = 6
@@ -234,3 +234,22 @@ def test_draft_layers_start_from_target_layers(setup, tmp_path):
     ours = trainer.backbone.layers[0].state_dict()
     for name, value in layer.state_dict().items():
         assert torch.equal(ours[name], value), name
+
+
+def test_experiments_run_resume_and_tabulate(setup, tmp_path, capsys):
+    from vllm_dartree.zoo.experiments import main as experiments
+    data = tmp_path / "data"
+    data.mkdir()
+    torch.save([{"tokens": s.tokens, "features": s.features.to(torch.bfloat16), "prompt_len": 6}
+                for s in setup["shards"]], data / "features-00000.pt")
+    argv = ["--target", str(setup["target_dir"]), "--data", str(data), "--workdir",
+            str(tmp_path / "runs"), "--layers", ",".join(map(str, LAYERS)), "--steps", "3",
+            "--held-out", "2", "--only", "baseline,lr-constant"]
+    experiments(argv)
+    out = capsys.readouterr().out
+    assert "| the recipe (N = 8192, 1 random layer) |" in out
+    assert "| constant learning rate (no cosine decay) |" in out
+    results = json.loads((tmp_path / "runs" / "results.json").read_text())
+    assert set(results) == {"baseline@3", "lr-constant@3"}
+    experiments(argv)                                       # finished runs are not redone
+    assert "[1/2]" not in capsys.readouterr().out

@@ -49,6 +49,7 @@ class TrainConfig:
     lambda_end: float = 0.1
     checkpoint_every: int = 50
     seed: int = 0
+    schedule: str = "cosine"   # or "constant" (after the warm-up)
     bf16: bool = False    # matrix products in bfloat16 (CPU autocast; AMX makes them ~3x faster)
 
     def lam(self, step: int) -> float:
@@ -58,6 +59,8 @@ class TrainConfig:
     def lr_at(self, step: int) -> float:
         if step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return self.lr
         frac = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
         return self.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
 
@@ -321,7 +324,8 @@ def _draft_vocab(args, train: list[FeatureShard], held: list[FeatureShard], tcfg
     return vocab
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> float | None:
+    """Train (or --evaluate); returns the final held-out acceptance (None without one)."""
     parser = argparse.ArgumentParser(
         description="Train a Domino drafter on features from `python -m vllm_dartree.zoo.data`"
                     " (resumes from WORKDIR/checkpoint.pt).")
@@ -344,6 +348,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="score only the N most frequent response tokens of the training "
                              "data (0: the target's whole vocabulary); fixed at the first run "
                              "in WORKDIR/draft_vocab.pt")
+    parser.add_argument("--lr", type=float, default=TrainConfig.lr)
+    parser.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
+    parser.add_argument("--lambda-end", type=float, default=TrainConfig.lambda_end,
+                        help="final weight of the uncorrected CE (1 - it: the corrected one's)")
+    parser.add_argument("--anchors", type=int, default=TrainConfig.anchors_per_sequence,
+                        help="anchors per sequence and step")
     parser.add_argument("--held-out", type=int, default=16)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
@@ -371,16 +381,17 @@ def main(argv: list[str] | None = None) -> None:
         drafter = load_drafter(args.evaluate, TargetInfo(tcfg.hidden_size, tcfg.vocab_size,
                                                          tcfg.num_hidden_layers),
                                embed, head, dtype=torch.float32)
-        print(f"{args.evaluate}: held-out accepted "
-              f"{held_out_acceptance(drafter.backbone, drafter.head, held):.3f} "
-              f"({len(held)} sequences x 16 anchors)")
-        return
+        accepted = held_out_acceptance(drafter.backbone, drafter.head, held)
+        print(f"{args.evaluate}: held-out accepted {accepted:.3f} ({len(held)} sequences x "
+              "16 anchors)")
+        return accepted
     vocab = _draft_vocab(args, train, held, tcfg)
     spec = spec_for_target(tcfg, layer_ids, args.draft_layers, args.block_size,
                            draft_vocab_size=0 if vocab is None else vocab.numel())
     bf16 = args.precision == "bf16" or (args.precision == "auto" and _has_amx())
     print(f"matrix products in {'bf16 autocast' if bf16 else 'fp32'}", flush=True)
-    config = TrainConfig(steps=args.steps, bf16=bf16)
+    config = TrainConfig(steps=args.steps, bf16=bf16, lr=args.lr, schedule=args.schedule,
+                         lambda_end=args.lambda_end, anchors_per_sequence=args.anchors)
     init = None
     if args.init_from_target:
         ids = [int(i) for i in args.init_from_target.split(",")]
@@ -407,6 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.export:
         export_domino(trainer, args.export, tcfg.num_hidden_layers)
         print(f"wrote {args.export}")
+    return trainer.evaluate(held) if held else None
 
 
 if __name__ == "__main__":
