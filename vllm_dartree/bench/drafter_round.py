@@ -2,12 +2,16 @@
 selection, for the real heads (Domino GRU, DSpark Markov) with random weights.
 
     python -m vllm_dartree.bench.drafter_round [--batches 1 8] [--context 512] [--repeats 5]
+        [--shapes qwen3-4b|smollm2] [--draft-vocab 8192]
 
 Backbone: 5 Qwen3 layers (H 2560, 32/8 heads of 128, MLP 9728), context K/V of `--context`
 tokens per request already cached, query block of 16 (Domino) or 7 (DSpark) slots, base logits
 through a 151936-row lm_head. Then DARTree pruned (K 64, W 12, B 64, beta -0.2). "head" is the
 time spent inside the head's init/prepare/score/advance; "selection" is the rest of the build
 (candidate tables, scoring arithmetic, top-W, final top-B). Medians over repeats.
+`--shapes smollm2`: the shipped SmolLM2 drafter's shapes (1 layer, H 576, 9/3 heads of 64, MLP
+1536, 49,152 tokens, GRU 256, E 64). `--draft-vocab N` adds a Domino row whose drafter scores
+N tokens only (a reduced draft vocabulary).
 """
 
 from __future__ import annotations
@@ -26,23 +30,31 @@ from vllm_dartree.tree import build_tree
 
 __all__ = ["main"]
 
-H, V, LAYERS_OF_TARGET = 2560, 151936, 36
+SHAPES = {   # name -> (backbone config, GRU hidden, E, Markov rank)
+    "qwen3-4b": ({"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 5,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                  "vocab_size": 151936, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+                  "num_target_layers": 36}, 1024, 256, 256),
+    "smollm2": ({"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 1,
+                 "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                 "vocab_size": 49152, "rope_theta": 1e5, "rms_norm_eps": 1e-5,
+                 "num_target_layers": 30}, 256, 64, 64),
+}
+LAYER_IDS = [1, 8, 14, 20, 27]   # (which layers changes no cost: 5 of them)
 
 
-def _config(fmt: str) -> dict:
-    base = {"hidden_size": H, "intermediate_size": 9728, "num_hidden_layers": 5,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-            "vocab_size": V, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
-            "num_target_layers": LAYERS_OF_TARGET}
+def _config(fmt: str, shapes: str, draft_vocab: int = 0) -> dict:
+    base, gru, emb, rank = SHAPES[shapes]
+    base = dict(base, draft_vocab_size=draft_vocab)
     if fmt == "domino":
         return base | {"architectures": ["DominoDraftModel"], "block_size": 16,
-                       "dflash_config": {"projector_type": "domino", "emb_dim": 256,
-                                         "gru_hidden_dim": 1024, "pure_draft_prefix_len": 1,
-                                         "shift_label": True, "mask_token_id": 151669,
-                                         "target_layer_ids": [1, 9, 17, 25, 33]}}
-    return base | {"architectures": ["Qwen3DSparkModel"], "block_size": 7, "markov_rank": 256,
-                   "markov_head_type": "vanilla", "mask_token_id": 151669,
-                   "target_layer_ids": [1, 9, 17, 25, 33]}
+                       "dflash_config": {"projector_type": "domino", "emb_dim": emb,
+                                         "gru_hidden_dim": gru, "pure_draft_prefix_len": 1,
+                                         "shift_label": True, "mask_token_id": 0,
+                                         "target_layer_ids": LAYER_IDS}}
+    return base | {"architectures": ["Qwen3DSparkModel"], "block_size": 7, "markov_rank": rank,
+                   "markov_head_type": "vanilla", "mask_token_id": 0,
+                   "target_layer_ids": LAYER_IDS}
 
 
 class _TimedHead:
@@ -70,23 +82,27 @@ class _TimedHead:
         return self._run(self.head.advance, *a)
 
 
-def _build(fmt: str, embed: torch.Tensor):
-    spec = parse_drafter_config(_config(fmt))
+def _build(fmt: str, shapes: str, embed: torch.Tensor, draft_vocab: int = 0):
+    spec = parse_drafter_config(_config(fmt, shapes, draft_vocab))
     backbone = DFlashBackbone(spec, embed, embed).eval()
+    if draft_vocab:
+        backbone.set_draft_vocab(torch.randperm(spec.vocab_size)[:draft_vocab].sort().values)
     if fmt == "domino":
-        head = DominoGRUHead(H, 1024, 256, V, embed, num_uncorrected=1).eval()
+        head = DominoGRUHead(spec.hidden_size, spec.gru_hidden_size, spec.emb_dim,
+                             spec.output_size, embed, num_uncorrected=1).eval()
         head.use_input_table()
     else:
-        head = MarkovHead(V, 256).eval()
+        head = MarkovHead(spec.vocab_size, spec.markov_rank).eval()
     return spec, backbone, head
 
 
 @torch.inference_mode()
 def _measure(backbone, head, spec, batch: int, context: int, repeats: int) -> list[float]:
     cache, rids = ContextCache(), list(range(batch))
-    feats = [0.1 * torch.randn(context, len(spec.target_layer_ids) * H) for _ in rids]
+    feats = [0.1 * torch.randn(context, len(spec.target_layer_ids) * spec.hidden_size)
+             for _ in rids]
     backbone.extend_context(cache, rids, feats)
-    roots = torch.randint(0, V, (batch,))
+    roots = torch.randint(0, spec.vocab_size, (batch,))
     config = DARTreeConfig()
     rows = []
     for rep in range(repeats + 1):
@@ -106,15 +122,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-4b")
+    parser.add_argument("--draft-vocab", type=int, default=0,
+                        help="add a Domino row with a draft vocabulary of N tokens")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    embed = 0.02 * torch.randn(V, H)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, context "
-          f"{args.context}, DARTree pruned K 64 W 12 B 64", flush=True)
+    base = SHAPES[args.shapes][0]
+    embed = 0.02 * torch.randn(base["vocab_size"], base["hidden_size"])
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, "
+          f"{args.shapes} shapes, context {args.context}, DARTree pruned K 64 W 12 B 64",
+          flush=True)
     lines = ["| drafter | batch | backbone pass (ms) | head scoring (ms) | tree selection (ms) "
              "| round (ms) |", "|---|---|---|---|---|---|"]
-    for fmt, label in (("domino", "Domino GRU, 16 depths"), ("dspark", "DSpark Markov, 7 depths")):
-        spec, backbone, head = _build(fmt, embed)
+    rows = [("domino", "Domino GRU, 16 depths", 0), ("dspark", "DSpark Markov, 7 depths", 0)]
+    if args.draft_vocab:
+        rows.insert(1, ("domino", f"Domino GRU, 16 depths, draft vocabulary {args.draft_vocab}",
+                        args.draft_vocab))
+    for fmt, label, draft_vocab in rows:
+        spec, backbone, head = _build(fmt, args.shapes, embed, draft_vocab)
         for batch in args.batches:
             ms = _measure(backbone, head, spec, batch, args.context, args.repeats)
             print(f"  {label} batch {batch}: {ms}", file=sys.stderr, flush=True)
