@@ -220,6 +220,13 @@ def test_draft_vocab_export_is_lossless_where_the_target_leaves_it(setup, tmp_pa
                           torch.tensor([plain[-1]]), drafter.head, drafted.vocab_ids)
         assert bool(torch.isin(tree.tokens[0, :int(tree.num_nodes[0])], vocab).all())
 
+    # a new run warm-started from the export holds its weights (a checkpoint may be gone)
+    fresh = _trainer(setup, tmp_path / "warm", mask=True, vocab=vocab)
+    fresh.warm_start(folder)
+    for (name, a), (_, b) in zip(fresh.head.named_parameters(), trainer.head.named_parameters()):
+        torch.testing.assert_close(a, b.detach().to(torch.bfloat16).float(), msg=name)
+    with pytest.raises(ValueError, match="another draft vocabulary"):
+        _trainer(setup, tmp_path / "warm2", mask=True).warm_start(folder)
     # resuming the run with another draft vocabulary is refused
     with pytest.raises(ValueError, match="another draft vocabulary"):
         _trainer(setup, trainer.workdir, mask=True, vocab=vocab[:-1])

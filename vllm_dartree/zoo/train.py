@@ -180,6 +180,30 @@ class DrafterTrainer:
         torch.save(self.state(), tmp)
         os.replace(tmp, self.checkpoint_path)
 
+    def warm_start(self, folder: str | Path) -> None:
+        """Start from an exported Domino folder's weights (a fresh optimiser): continue a
+        run whose checkpoint is gone, or train a shipped drafter further. The folder must
+        match this run's shapes and draft vocabulary; a resumed checkpoint overrides it."""
+        from vllm_dartree.drafter.checkpoint import read_safetensors
+        tensors = {}
+        for shard in sorted(Path(folder).glob("*.safetensors")):
+            tensors.update(read_safetensors(shard))
+        vocab = tensors.pop(DRAFT_VOCAB_KEY, None)
+        ours = self.backbone.draft_vocab
+        if (vocab is None) != (ours is None) or (vocab is not None and not torch.equal(
+                vocab.long(), ours)):
+            raise ValueError(f"{folder} has another draft vocabulary than this run")
+        params = {**dict(self.backbone.named_parameters()), **dict(self.head.named_parameters())}
+        missing = sorted(set(params) - set(tensors))
+        if missing:
+            raise ValueError(f"{folder} lacks {missing[:4]} of this run's drafter")
+        with torch.no_grad():
+            for name, p in params.items():
+                if tuple(tensors[name].shape) != tuple(p.shape):
+                    raise ValueError(f"{folder}: {name} is {list(tensors[name].shape)}, this "
+                                     f"run's is {list(p.shape)}")
+                p.copy_(tensors[name].reshape(p.shape).float())
+
     def _resume(self) -> None:
         if not self.checkpoint_path.exists():
             return
@@ -341,6 +365,9 @@ def main(argv: list[str] | None = None) -> float | None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gru-hidden", type=int, default=256)
     parser.add_argument("--emb-dim", type=int, default=64)
+    parser.add_argument("--warm-start", type=Path, metavar="DRAFTER",
+                        help="start from an exported Domino folder's weights (when WORKDIR "
+                             "has no checkpoint yet)")
     parser.add_argument("--init-from-target", metavar="L1[,L2]",
                         help="start the draft layers from these target layers (0-based ids; "
                              "default: random)")
@@ -402,6 +429,9 @@ def main(argv: list[str] | None = None) -> float | None:
     trainer = DrafterTrainer(spec, embed, head, config, args.workdir,
                              gru_hidden=args.gru_hidden, emb_dim=args.emb_dim,
                              learn_mask_embedding=True, draft_vocab=vocab, init_layers=init)
+    if args.warm_start and trainer.step == 0:
+        trainer.warm_start(args.warm_start)
+        print(f"warm start from {args.warm_start}", flush=True)
     print(f"{len(train)} training / {len(held)} held-out sequences; resuming at step "
           f"{trainer.step} of {args.steps}", flush=True)
     start = time.perf_counter()
