@@ -27,6 +27,10 @@ def main() -> None:
             "tokens": list(o.outputs[0].token_ids),
             "finish_reason": o.outputs[0].finish_reason,
             "logprobs": len(o.outputs[0].logprobs) if o.outputs[0].logprobs else None,
+            # the sampled token's logprob at every position (None without logprobs)
+            "logprob_values": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                              o.outputs[0].token_ids)]
+            if o.outputs[0].logprobs else None,
             "spec": (o.outputs[0].spec_decode_metrics.to_dict()
                      if o.outputs[0].spec_decode_metrics is not None else None),
         } for o in outs])

@@ -4,6 +4,7 @@ accepted paths; tau = depth + 1 with an oracle drafter; parity with the referenc
 seeded sampling reproducible and distributed as the target's."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -176,11 +177,94 @@ def test_oracle_drafter_reaches_full_depth(tiny, plain, oracle_prompts, tmp_path
 
 
 def test_logprobs_and_penalties_equal_plain(plain, dartree8):
-    """Requests with logprobs or penalties share a batch with tree requests: vLLM's sampler
-    serves the whole batch from the root rows, so every output stays the target's."""
+    """Requests with logprobs or penalties share a batch with tree requests (chunked
+    prefill, preemption): vLLM's sampler serves them from their root rows, so every output
+    stays the target's."""
     got, want = dartree8["batches"][3], plain["batches"][3]
     _assert_same(_tokens(got), _tokens(want), "logprobs / penalties")
     assert got[0]["logprobs"] == want[0]["logprobs"] == 12
+
+
+def test_full_sampler_requests_fall_back_alone(tiny, plain, oracle_prompts, tmp_path):
+    """Requests that need vLLM's sampler (logprobs, penalties, `extra_args`) share a batch
+    with greedy ones under the oracle drafter: they decode without trees and are exactly
+    plain decoding's (tokens and logprob values), while the others keep their trees and
+    accept drafts (they once switched speculation off for the whole batch)."""
+    table = [[p, out["tokens"]] for p, out in zip(oracle_prompts, plain["batches"][1])]
+    oracle = tmp_path / "oracle.json"
+    oracle.write_text(json.dumps({"depth": ORACLE_DEPTH, "layer_ids": [1, 3],
+                                  "continuations": table}))
+    params = _features_batch(oracle_prompts)["params"]          # 4 need vLLM's sampler
+    params += [dict(max_tokens=12, temperature=0.0, extra_args={"anything": 1})]
+    params += [dict(max_tokens=24, temperature=0.0) for _ in range(4)]
+    needs_sampler = {0, 1, 2, 3, 6}
+    batch = {"prompts": oracle_prompts[:len(params)], "params": params}
+    (tmp_path / "plain").mkdir()
+    want = run_job(tmp_path / "plain", engine_kwargs(tiny["target"], max_num_seqs=12),
+                   [batch])["batches"][0]
+    spec = dartree_spec(oracle, drafter_class="vllm_dartree.engine.drafters.OracleTreeDrafter",
+                        budget=2 * ORACLE_DEPTH, adaptive=False)
+    got = run_job(tmp_path, engine_kwargs(tiny["target"], max_num_seqs=12,
+                                          speculative_config=spec,
+                                          per_request_spec_decode_metrics="detailed"),
+                  [batch])["batches"][0]
+    _assert_same(_tokens(got), _tokens(want), "vLLM-sampler requests beside trees")
+    assert got[0]["logprobs"] == 12
+    assert got[0]["logprob_values"] == pytest.approx(want[0]["logprob_values"], abs=1e-4)
+    for i, res in enumerate(got):
+        spec_metrics = res["spec"] or {}
+        if i in needs_sampler:
+            assert spec_metrics.get("num_draft_tokens", 0) == 0, \
+                f"request {i} needs vLLM's sampler but was proposed a tree"
+        else:
+            assert spec_metrics.get("num_accepted_draft_tokens", 0) > 0, \
+                f"greedy request {i} lost its trees to its neighbours"
+
+
+BAN_PLUGIN = """
+from vllm.v1.sample.logits_processor import LogitsProcessor
+
+
+class BanToken(LogitsProcessor):
+    def __init__(self, vllm_config, device, is_pin_memory):
+        pass
+
+    def is_argmax_invariant(self):
+        return False
+
+    def update_state(self, batch_update):
+        pass
+
+    def apply(self, logits):
+        logits[:, {banned}] = float("-inf")
+        return logits
+"""
+
+
+def test_logits_processor_plugins_apply_as_in_plain_decoding(tiny, plain, prompts, tmp_path):
+    """A logits processor installed as a plugin (entry point `vllm.logits_processors`)
+    that bans a token: vLLM drops such plugins when speculation is on; dartree installs them
+    and samples every request with vLLM's sampler, so outputs equal plain decoding's with
+    the plugin (and differ from plain decoding without it)."""
+    subset, params = prompts[:6], _greedy(prompts)[:6]
+    banned = plain["batches"][0][0]["tokens"][1]
+    site = tmp_path / "site"
+    info = site / "ban_token-0.1.dist-info"
+    info.mkdir(parents=True)
+    (site / "ban_token.py").write_text(BAN_PLUGIN.format(banned=banned))
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ban-token\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[vllm.logits_processors]\nban = ban_token:BanToken\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    batch = [{"prompts": subset, "params": params}]
+    (tmp_path / "plain").mkdir()
+    want = run_job(tmp_path / "plain", engine_kwargs(tiny["target"]), batch, env=env)
+    got = run_job(tmp_path, engine_kwargs(tiny["target"],
+                                          speculative_config=dartree_spec(tiny["drafter"])),
+                  batch, env=env)
+    want, got = _tokens(want["batches"][0]), _tokens(got["batches"][0])
+    assert want != _tokens(plain["batches"][0][:6]), "the plugin did not act"
+    assert all(banned not in t for t in want)
+    _assert_same(got, want, "logits processor plugin")
 
 
 def test_seeded_sampling_is_reproducible(plain, dartree8):

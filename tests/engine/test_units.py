@@ -63,6 +63,22 @@ def test_engine_args_translation(tiny):
     assert config.additional_config["dartree"]["config"]["width"] == 4
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
+     "kv_transfer_config"),
+    (dict(tensor_parallel_size=2), "tensor_parallel_size = 2 is not supported"),
+])
+def test_engine_args_refuse_what_corrupts_the_kv_layout(tiny, kwargs, message):
+    """Refused before any engine process starts, with the reason (they once failed late
+    inside the worker)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(tiny["target"]), dtype="float32", max_model_len=256,
+                      speculative_config=dartree_spec(tiny["drafter"]), **kwargs)
+    with pytest.raises(DartreeConfigError, match=message):
+        args.create_engine_config()
+
+
 def test_engine_args_refuse_a_misfit_drafter(tiny, tmp_path):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -248,3 +264,38 @@ def test_stat_logger_is_inactive_without_dartree():
     class Cfg:
         additional_config = {}
     assert not DARTreeStatLogger(Cfg()).active
+
+
+@pytest.mark.parametrize("kwargs,fields", [
+    (dict(temperature=0.0), []),
+    (dict(temperature=0.7, top_p=0.9, top_k=5, seed=3, n=2, stop=["x"], max_tokens=4,
+          stop_token_ids=[3], ignore_eos=True, prompt_logprobs=1, skip_special_tokens=False), []),
+    (dict(min_tokens=3, ignore_eos=True), []),        # no stop token left to suppress
+    (dict(min_tokens=3, stop_token_ids=[7]), ["min_tokens"]),
+    (dict(logprobs=2), ["logprobs"]),
+    (dict(logprob_token_ids=[1, 2]), ["logprob_token_ids"]),
+    (dict(repetition_penalty=1.2, presence_penalty=0.5), ["presence_penalty",
+                                                         "repetition_penalty"]),
+    (dict(frequency_penalty=0.5), ["frequency_penalty"]),
+    (dict(bad_words=["hi"]), ["bad_words"]),
+    (dict(allowed_token_ids=[1, 2]), ["allowed_token_ids"]),
+    (dict(extra_args={"custom": 1}), ["extra_args"]),
+    (dict(thinking_token_budget=10), ["thinking_token_budget"]),
+])
+def test_full_sampler_fields_is_an_allow_list(kwargs, fields):
+    from vllm import SamplingParams
+
+    from vllm_dartree.engine.tree_sampler import full_sampler_fields
+    assert sorted(full_sampler_fields(SamplingParams(**kwargs))) == sorted(fields)
+
+
+def test_a_field_vllm_adds_later_takes_vllms_sampler():
+    from vllm import SamplingParams
+
+    from vllm_dartree.engine.tree_sampler import full_sampler_fields
+
+    class Later(SamplingParams, kw_only=True):
+        later_feature: int | None = None
+
+    assert full_sampler_fields(Later()) == []
+    assert full_sampler_fields(Later(later_feature=3)) == ["later_feature"]

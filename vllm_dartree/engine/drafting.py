@@ -47,7 +47,6 @@ class DraftingMixin:
             return out
         drafter = self._dt_drafter
         features = torch.cat(list(aux_hidden_states), dim=-1)
-        no_drafts = self._dt_full_sampler_batch(step)
         accepted = step.accepted or [[] for _ in step.req_ids]
         ext_ids, ext_tokens, ext_feats = [], [], []
         draft_rows, roots = [], []
@@ -73,7 +72,7 @@ class DraftingMixin:
             ext_tokens.append(token_ids[i, p0:p0 + len(rows)].tolist())
             ext_feats.append(features[torch.tensor(rows, device=features.device)])
             sampled = sampled_token_ids[i] if i < len(sampled_token_ids) else []
-            if sampled and not no_drafts:
+            if sampled and not self._dt_needs_full(rid):   # vLLM's sampler: no tree
                 draft_rows.append(i)
                 roots.append(int(sampled[-1]))
         if ext_ids:

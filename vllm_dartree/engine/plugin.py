@@ -13,7 +13,8 @@ asks for dartree, so installing vllm-dartree changes nothing else.
   `additional_config["dartree"]`; `worker_cls` becomes the dartree worker (CPU or CUDA; on
   CUDA the attention backend becomes vLLM's CUSTOM slot, filled with dartree's Triton tree
   attention); prefix caching is turned off (cached prompt tokens would give the drafter no
-  target features).
+  target features); KV connectors (`kv_transfer_config`) and tensor parallelism are refused
+  with the reason.
 - `create_speculative_config`: once vLLM knows the target, refuse what DARTree cannot serve
   exactly (a drafter that does not fit the target, M-RoPE, sliding windows, hybrid models,
   pipeline parallelism, the V2 runner) with a message that says what to change.
@@ -134,6 +135,17 @@ def _translate_engine_args(args) -> None:
         raise DartreeConfigError("dartree runs on vLLM's V1 model runner: unset "
                                  "VLLM_USE_V2_MODEL_RUNNER")
     carrier, settings = translate(args.speculative_config)
+    if getattr(args, "kv_transfer_config", None) is not None:
+        raise DartreeConfigError(
+            "kv_transfer_config (KV connectors, disaggregated prefill, KV offloading) is not "
+            "supported: dartree writes tree nodes into its own KV layout and moves the "
+            "accepted ones into chain slots, which a connector would read or save as a "
+            "chain; remove --kv-transfer-config")
+    if getattr(args, "tensor_parallel_size", 1) > 1:
+        raise DartreeConfigError(
+            f"tensor_parallel_size = {args.tensor_parallel_size} is not supported yet: the "
+            "drafter needs the full (unsharded) embedding and lm-head on every rank; use "
+            "--tensor-parallel-size 1")
     from vllm.platforms import current_platform
     if current_platform.is_cpu():
         worker = CPU_WORKER

@@ -13,12 +13,12 @@ adaptive budget's decisions in `drafting`, the budget itself in `controller`):
 3. `_build_attention_metadata`: the masks are attached to this step's attention metadata.
 4. `_sample`: the greedy or sampled tree walk (`vllm_dartree.tree.verify`) with each
    request's temperature, top-k, top-p and seed, in the rejection sampler's output format
-   (`[R, 1 + N]`, accepted tokens + bonus, -1 padded). A batch holding a request that needs
-   vLLM's full sampler (logprobs, penalties, bad words, min_tokens, min_p, logit bias,
-   allowed tokens, structured output) samples every request from its root row with vLLM's
-   sampler instead (all drafts rejected: exact, only slower); no drafts are proposed while
-   such a request is in the batch. Requests without a tree this step (prefills, plain
-   steps) take vLLM's own sample, so a seeded request's first token is plain decoding's.
+   (`[R, 1 + N]`, accepted tokens + bonus, -1 padded). A request that asks for anything else
+   (`tree_sampler.full_sampler_fields`, an allow-list: logprobs, penalties, bad words,
+   structured output, `extra_args`, any field vLLM adds later) is never proposed a tree and
+   is sampled by vLLM's sampler from its root row, alone: the rest of the batch keeps its
+   trees. Requests without a tree this step (prefills, plain steps) take vLLM's own sample,
+   so a seeded request's first token is plain decoding's.
 5. `_update_states_after_model_execute`: KV compaction, the accepted nodes' K/V move into
    chain slots p0+1..p0+L before the scheduler (which assumes a chain) sees the result.
 6. `propose_draft_token_ids`: the target's aux hidden states of every committed row (prompt
@@ -66,6 +66,31 @@ class DARTreeRunnerMixin(TreeSamplerMixin, CompactionMixin, DraftingMixin):
             else None
         self._dt_clock: list[float] = []              # this step's (start, drafting seconds)
         self._dt_timing: tuple[int, bool] | None = None   # this step's (rows, trees) to time
+        self._dt_custom_logitsprocs = self._dt_install_logitsprocs(vllm_config, device)
+
+    def _dt_install_logitsprocs(self, vllm_config, device) -> tuple[str, ...]:
+        """Logits processors installed as plugins (entry point group
+        `vllm.logits_processors`): with speculation on, vLLM builds none of them and drops
+        them silently; dartree builds them, and since one may act on any request, every
+        request is then sampled by vLLM's sampler (no trees: exact, not faster)."""
+        try:
+            from vllm.v1.sample.logits_processor import (LogitsProcessors,
+                                                         _load_logitsprocs_plugins)
+        except ImportError:   # a vLLM without plugin logits processors
+            return ()
+        custom = _load_logitsprocs_plugins()
+        batch = getattr(self, "input_batch", None)
+        if not custom or batch is None:
+            return ()
+        pin = bool(getattr(self, "pin_memory", False))
+        batch.logitsprocs = LogitsProcessors(
+            [*batch.logitsprocs.all, *(cls(vllm_config, device, pin) for cls in custom)])
+        batch.logitsprocs_need_output_token_ids = True
+        names = tuple(f"{cls.__module__}.{cls.__qualname__}" for cls in custom)
+        logger.warning("dartree: logits processor plugins %s are installed; they may act on "
+                       "any request, so every request is sampled by vLLM's sampler without "
+                       "speculation (exact, not faster)", list(names))
+        return names
 
     @contextmanager
     def _dt_timed(self, stage: str):

@@ -2,10 +2,11 @@
 
 The greedy or sampled walk (`vllm_dartree.tree.verify`) with each request's temperature,
 top-k, top-p and seed, in the rejection sampler's output format (`[R, 1 + N]`, accepted
-tokens + bonus, -1 padded). A batch holding a request that needs vLLM's full sampler
-(`needs_full_sampler`) is sampled by vLLM's sampler from the root rows instead (all drafts
-rejected: exact, only slower). Requests without a tree this step take vLLM's own sample, so
-a seeded request's first token is plain decoding's. The walks label the verified nodes for
+tokens + bonus, -1 padded). A request that needs vLLM's sampler (`full_sampler_fields`, an
+allow-list of what the walk implements) verifies no tree and takes vLLM's sample from its
+root row, alone; so do requests without a tree this step, and a seeded request's first
+token is plain decoding's. When some request asks for logprobs, vLLM's logprobs of the root
+rows come back in the output grid's first column. The walks label the verified nodes for
 the adaptive budget's calibration.
 """
 
@@ -18,28 +19,80 @@ from vllm_dartree.engine.tree_inputs import StepTrees
 from vllm_dartree.tree import TreeBatch
 from vllm_dartree.tree.verify import sample_target_tokens, walk
 
-__all__ = ["TreeSamplerMixin", "needs_full_sampler", "position_noise"]
+__all__ = ["TreeSamplerMixin", "full_sampler_fields", "needs_full_sampler", "position_noise"]
+
+
+# SamplingParams fields the tree walk implements (`tree.verify`: temperature, top-k, top-p,
+# position-keyed seeds) ...
+WALK_FIELDS = frozenset({"temperature", "top_p", "top_k", "seed"})
+# ... and fields that never change which token a position gets: how many outputs, when to
+# stop (the scheduler checks every accepted token), what is returned and how, prompt
+# logprobs (computed from the prompt rows, which are never tree rows), prefix-cache use,
+# the V2 runner's watermark (our runner is V1's), routing traces.
+NEUTRAL_FIELDS = frozenset({
+    "n", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "prompt_logprobs",
+    "prompt_logprob_token_ids", "prompt_logprob_start", "flat_logprobs", "detokenize",
+    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+    "output_kind", "stream_interval", "skip_clone", "output_text_buffer_length",
+    "_eos_token_id", "_all_stop_token_ids", "watermarking", "_watermarking_skipped",
+    "skip_reading_prefix_cache", "routed_experts_prompt_start"})
+
+
+def _unset(value, default) -> bool:
+    if value is None or value is default:
+        return True
+    try:
+        if value == default:
+            return True
+    except Exception:   # noqa: BLE001 - arrays and other values without a plain ==
+        return False
+    # post-init turns None into empty containers (stop, stop_token_ids, bad_words)
+    return default is None and isinstance(value, (list, tuple, set, dict, str)) and not value
+
+
+def full_sampler_fields(sp) -> list[str]:
+    """The fields of `sp` that need vLLM's sampler: an allow-list, so that anything the walk
+    does not implement (penalties, logprobs, min_p, bad words, structured output, custom
+    logits processors' `extra_args`, `thinking_token_budget`, any field a later vLLM adds)
+    takes the exact path. `min_tokens` counts only while stop tokens exist to suppress."""
+    if sp is None:
+        return []
+    names = getattr(type(sp), "__struct_fields__", None)
+    if names is None:   # not vLLM's msgspec struct: treat every public attribute as set
+        names = tuple(k for k in vars(sp) if not k.startswith("__"))
+        defaults = (object(),) * len(names)
+    else:
+        defaults = type(sp).__struct_defaults__
+        defaults = (object(),) * (len(names) - len(defaults)) + tuple(defaults)
+    out = []
+    for name, default in zip(names, defaults):
+        if name in WALK_FIELDS or name in NEUTRAL_FIELDS:
+            continue
+        value = getattr(sp, name, None)
+        if name == "min_tokens":
+            if value and (getattr(sp, "all_stop_token_ids", None) or sp.stop_token_ids):
+                out.append(name)
+            continue
+        if not _unset(value, default if not callable(default) else None):
+            out.append(name)
+    return out
 
 
 def needs_full_sampler(sp) -> bool:
-    """Sampling features the tree walk does not implement (vLLM's sampler handles them)."""
-    if sp is None:
-        return False
-    return bool(
-        sp.logprobs is not None
-        or sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0
-        or sp.min_p or sp.bad_words or sp.logit_bias or sp.allowed_token_ids
-        or (sp.min_tokens and (sp.all_stop_token_ids or sp.stop_token_ids))
-        or sp.structured_outputs is not None)
-
+    """Whether a request must be sampled by vLLM's sampler (`full_sampler_fields`)."""
+    return bool(full_sampler_fields(sp))
 
 
 class TreeSamplerMixin:
     """Sampling for `DARTreeRunnerMixin` (uses its `_dt_step`, `_dt_budget`, `_dt_timed`)."""
 
-    def _dt_full_sampler_batch(self, step: StepTrees) -> bool:
-        return any(needs_full_sampler(getattr(self.requests.get(rid), "sampling_params", None))
-                   for rid in step.req_ids)
+    def _dt_needs_full(self, rid) -> bool:
+        """Request rid is sampled by vLLM's sampler alone (no tree): it asks for something
+        the walk does not implement, or custom logits processors are installed (they may
+        apply to any request)."""
+        if getattr(self, "_dt_custom_logitsprocs", ()):
+            return True
+        return needs_full_sampler(getattr(self.requests.get(rid), "sampling_params", None))
 
     def _sample(self, logits, spec_decode_metadata):
         with self._dt_timed("walk"):
@@ -49,88 +102,107 @@ class TreeSamplerMixin:
         step = self._dt_step
         if spec_decode_metadata is None or step is None:
             return super()._sample(logits, spec_decode_metadata)
-        from vllm.v1.outputs import SamplerOutput
+        from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 
-        num = [len(d) for d in step.drafts]
-        offsets = np.concatenate([[0], np.cumsum(np.asarray(num) + 1)[:-1]]).astype(np.int64)
-        if not any(num) or self._dt_full_sampler_batch(step):
-            # No drafts at all (prefills, plain steps): vLLM's own sampler, as without
-            # speculation (the same seeded draws); or a request that needs its features.
+        full = [self._dt_needs_full(rid) for rid in step.req_ids]
+        # a request that needs vLLM's sampler verifies no tree (it is never proposed one;
+        # drafts it holds anyway are all rejected): its row is vLLM's sample, alone
+        num = [0 if f else len(d) for d, f in zip(step.drafts, full)]
+        width1 = 1 + max([len(d) for d in step.drafts] + [0])
+        offsets = np.concatenate([[0], np.cumsum(
+            np.asarray([len(d) for d in step.drafts]) + 1)[:-1]]).astype(np.int64)
+        roots = torch.as_tensor(offsets, device=logits.device)
+        if not any(num):
+            # No tree to walk (prefills, plain steps, requests that need vLLM's sampler):
+            # vLLM's own sampler from the root rows, as without speculation (the same
+            # seeded draws)
             step.accepted = [[] for _ in num]
-            roots = torch.as_tensor(offsets, device=logits.device)
             self.input_batch.update_async_output_token_ids()
             stock = self.sampler(logits=logits[roots],
                                  sampling_metadata=self.input_batch.sampling_metadata)
-            if not self._dt_full_sampler_batch(step):
-                self._dt_seeded_roots(logits, step, offsets, stock.sampled_token_ids)
+            self._dt_seeded_roots(logits, step, offsets, stock.sampled_token_ids, full)
             return stock
         targets = self._dt_target_tokens(logits, step, offsets)
-        tree = self._dt_tree_batch(step, logits.device)
-        width = tree.max_nodes
-        cols = torch.arange(1 + width, device=logits.device)
-        index = torch.as_tensor(offsets, device=logits.device)[:, None] + torch.minimum(
+        tree = self._dt_tree_batch(step, logits.device, num)
+        cols = torch.arange(1 + tree.max_nodes, device=logits.device)
+        index = roots[:, None] + torch.minimum(
             cols[None, :], torch.as_tensor(num, device=logits.device)[:, None])
         result = walk(tree, targets[index])
-        sampled = result.output_tokens(tree).to(torch.int32)
+        sampled = torch.full((len(num), width1), -1, dtype=torch.int32, device=logits.device)
+        walked = result.output_tokens(tree).to(torch.int32)
+        sampled[:, :walked.shape[1]] = walked
         plain_rows = [i for i, n in enumerate(num) if n == 0]
+        logprobs = None
         if plain_rows:   # requests without a tree this step: vLLM's sampler, as without
-            roots = torch.as_tensor(offsets, device=logits.device)   # speculation
-            metadata = self.input_batch.sampling_metadata
+            metadata = self.input_batch.sampling_metadata   # speculation
             # the tree requests' seeded streams must not depend on who shared their step
             saved = {i: g.get_state() for i, g in metadata.generators.items() if num[i]}
+            self.input_batch.update_async_output_token_ids()
             stock = self.sampler(logits=logits[roots], sampling_metadata=metadata)
             for i, state in saved.items():
                 metadata.generators[i].set_state(state)
             rows = torch.as_tensor(plain_rows, device=logits.device)
             sampled[rows, 0] = stock.sampled_token_ids[rows, 0].to(torch.int32)
-            self._dt_seeded_roots(logits, step, offsets, sampled)
+            self._dt_seeded_roots(logits, step, offsets, sampled, full)
+            if stock.logprobs_tensors is not None:
+                # the runner reads logprobs in the [R, 1 + N] grid of the output tokens; only
+                # requests that asked for them (plain rows) are read, at column 0
+                def grid(t):
+                    out = t.new_zeros((len(num) * width1, *t.shape[1:]))
+                    out[::width1] = t
+                    return out
+                lp = stock.logprobs_tensors
+                logprobs = LogprobsTensors(grid(lp.logprob_token_ids), grid(lp.logprobs),
+                                           grid(lp.selected_token_ranks))
         counts = result.num_accepted.tolist()
         nodes = result.accepted_nodes.tolist()
-        step.accepted = [nodes[i][:c] for i, c in enumerate(counts)]
-        self._dt_observe_walks(step)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
+        step.accepted = [nodes[i][:c] if num[i] else [] for i, c in enumerate(counts)]
+        self._dt_observe_walks(step, num)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
 
     def _dt_greedy(self, rid) -> bool:
         sp = getattr(self.requests.get(rid), "sampling_params", None)
         return sp is None or sp.temperature < 1e-5
 
-    def _dt_observe_walks(self, step: StepTrees) -> None:
+    def _dt_observe_walks(self, step: StepTrees, num: list[int]) -> None:
         """The calibration's data: each verified tree's nodes, labelled by the walk."""
         if self._dt_budget is None:
             return
-        for rid, tree, accepted in zip(step.req_ids, step.trees, step.accepted):
-            if tree is not None and tree.scores is not None and len(tree.tokens):
+        for rid, tree, accepted, n in zip(step.req_ids, step.trees, step.accepted, num):
+            if n and tree is not None and tree.scores is not None and len(tree.tokens):
                 self._dt_budget.observe_walk(rid, self._dt_greedy(rid), tree.scores,
                                              tree.depths.numpy(), accepted, tree.sources)
 
-    def _dt_tree_batch(self, step: StepTrees, device) -> TreeBatch:
+    def _dt_tree_batch(self, step: StepTrees, device, num: list[int]) -> TreeBatch:
+        """The step's trees as a batch; request i keeps its first num[i] drafts (0: none)."""
         num_reqs = len(step.req_ids)
-        width = max(1, max(len(d) for d in step.drafts))
+        width = max(1, max(num))
         tokens = torch.zeros(num_reqs, width, dtype=torch.long)
         parents = torch.full((num_reqs, width), -1, dtype=torch.long)
         depths = torch.zeros(num_reqs, width, dtype=torch.long)
         for i, (draft, tree) in enumerate(zip(step.drafts, step.trees)):
-            n = len(draft)
+            n = num[i]
             if not n:
                 continue
-            tokens[i, :n] = torch.tensor(draft)
+            tokens[i, :n] = torch.tensor(draft[:n])
             if tree is not None:
-                parents[i, :n], depths[i, :n] = tree.parents, tree.depths
+                parents[i, :n], depths[i, :n] = tree.parents[:n], tree.depths[:n]
             else:   # a chain: scheduler padding (-1) or a draft we do not know
                 parents[i, :n] = torch.arange(-1, n - 1)
                 depths[i, :n] = torch.arange(1, n + 1)
-        num = torch.tensor([len(d) for d in step.drafts], dtype=torch.long)
         scores = torch.zeros(num_reqs, width)
         return TreeBatch(tokens.to(device), parents.to(device), depths.to(device),
-                         scores.to(device), num.to(device))
+                         scores.to(device), torch.tensor(num, dtype=torch.long).to(device))
 
-    def _dt_seeded_roots(self, logits, step: StepTrees, offsets, sampled) -> None:
+    def _dt_seeded_roots(self, logits, step: StepTrees, offsets, sampled,
+                         full: list[bool]) -> None:
         """Seeded sampled requests decoding without a tree this step: their token from the
         position-keyed noise too (in place in `sampled` [R, >= 1]), so that a seeded
         request's output does not depend on which of its steps were plain. The first token
-        (the end of the prompt) stays vLLM's own draw."""
+        (the end of the prompt) stays vLLM's own draw, and so do requests that need vLLM's
+        sampler (`full`): all their tokens are its draws, as in plain decoding."""
         own = [i for i, (rid, d) in enumerate(zip(step.req_ids, step.drafts))
-               if not d and self._dt_seeded(rid) is not None and int(step.rows[i]) == 1
+               if not d and not full[i] and self._dt_seeded(rid) is not None and int(step.rows[i]) == 1
                and int(step.p0[i]) >= self.requests[rid].num_prompt_tokens]
         if own:
             tokens = self._dt_target_tokens(logits, step, offsets, own)
