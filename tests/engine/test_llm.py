@@ -26,8 +26,11 @@ def _greedy(prompts):
     return [dict(max_tokens=8 + (i * 7) % 41, temperature=0.0) for i in range(len(prompts))]
 
 
+SAMPLED_PROMPT = [11, 402, 87, 233, 5, 640]
+
+
 def _sampled_batch():
-    prompt = [11, 402, 87, 233, 5, 640]
+    prompt = SAMPLED_PROMPT
     return {"prompts": [prompt] * NUM_SAMPLES,
             "params": [dict(SAMPLED, seed=1000 + i) for i in range(NUM_SAMPLES)]}
 
@@ -41,6 +44,25 @@ def _features_batch(prompts):
               dict(max_tokens=12, temperature=0.0),
               dict(max_tokens=30, temperature=0.0)]
     return {"prompts": prompts[:len(params)], "params": params}
+
+
+def _fallback_batch(prompts):
+    """_features_batch + extra_args + 4 greedy requests (test_full_sampler_requests_...)."""
+    params = _features_batch(prompts)["params"]          # 4 need vLLM's sampler
+    params += [dict(max_tokens=12, temperature=0.0, extra_args={"anything": 1})]
+    params += [dict(max_tokens=24, temperature=0.0) for _ in range(4)]
+    return {"prompts": prompts[:len(params)], "params": params}
+
+
+def _oracle_file(path, plain, oracle_prompts, **options):
+    """The oracle's JSON: the plain engine's long greedy continuations (+ its options)."""
+    table = [[p, out["tokens"]] for p, out in zip(oracle_prompts, plain["batches"][1])]
+    path.write_text(json.dumps({"depth": ORACLE_DEPTH, "layer_ids": [1, 3],
+                                "continuations": table, **options}))
+    return path
+
+
+ORACLE = "vllm_dartree.engine.drafters.OracleTreeDrafter"
 
 
 def _tokens(batch):
@@ -71,7 +93,11 @@ def plain(tiny, prompts, oracle_prompts, tmp_path_factory):
             "params": [dict(p, max_tokens=p["max_tokens"] + ORACLE_DEPTH + 1, ignore_eos=True)
                        for p in _greedy(oracle_prompts)]}
     return run_job(tmp_path_factory.mktemp("plain"), engine_kwargs(tiny["target"], **BATCHED),
-                   [main, long, _sampled_batch(), _features_batch(prompts)])
+                   [main, long, _sampled_batch(), _features_batch(prompts),
+                    _fallback_batch(oracle_prompts),
+                    {"prompts": [SAMPLED_PROMPT],     # the sampled oracle's continuation
+                     "params": [dict(max_tokens=SAMPLED["max_tokens"] + ORACLE_DEPTH + 1,
+                                     temperature=0.0, ignore_eos=True)]}])
 
 
 @pytest.fixture(scope="module")
@@ -190,24 +216,15 @@ def test_full_sampler_requests_fall_back_alone(tiny, plain, oracle_prompts, tmp_
     with greedy ones under the oracle drafter: they decode without trees and are exactly
     plain decoding's (tokens and logprob values), while the others keep their trees and
     accept drafts (they once switched speculation off for the whole batch)."""
-    table = [[p, out["tokens"]] for p, out in zip(oracle_prompts, plain["batches"][1])]
-    oracle = tmp_path / "oracle.json"
-    oracle.write_text(json.dumps({"depth": ORACLE_DEPTH, "layer_ids": [1, 3],
-                                  "continuations": table}))
-    params = _features_batch(oracle_prompts)["params"]          # 4 need vLLM's sampler
-    params += [dict(max_tokens=12, temperature=0.0, extra_args={"anything": 1})]
-    params += [dict(max_tokens=24, temperature=0.0) for _ in range(4)]
+    batch = _fallback_batch(oracle_prompts)
     needs_sampler = {0, 1, 2, 3, 6}
-    batch = {"prompts": oracle_prompts[:len(params)], "params": params}
-    (tmp_path / "plain").mkdir()
-    want = run_job(tmp_path / "plain", engine_kwargs(tiny["target"], max_num_seqs=12),
-                   [batch])["batches"][0]
-    spec = dartree_spec(oracle, drafter_class="vllm_dartree.engine.drafters.OracleTreeDrafter",
-                        budget=2 * ORACLE_DEPTH, adaptive=False)
-    got = run_job(tmp_path, engine_kwargs(tiny["target"], max_num_seqs=12,
+    spec = dartree_spec(_oracle_file(tmp_path / "oracle.json", plain, oracle_prompts),
+                        drafter_class=ORACLE, budget=2 * ORACLE_DEPTH, adaptive=False)
+    got = run_job(tmp_path, engine_kwargs(tiny["target"], **BATCHED,
                                           speculative_config=spec,
                                           per_request_spec_decode_metrics="detailed"),
                   [batch])["batches"][0]
+    want = plain["batches"][4]
     _assert_same(_tokens(got), _tokens(want), "vLLM-sampler requests beside trees")
     assert got[0]["logprobs"] == 12
     assert got[0]["logprob_values"] == pytest.approx(want[0]["logprob_values"], abs=1e-4)
@@ -219,6 +236,54 @@ def test_full_sampler_requests_fall_back_alone(tiny, plain, oracle_prompts, tmp_
         else:
             assert spec_metrics.get("num_accepted_draft_tokens", 0) > 0, \
                 f"greedy request {i} lost its trees to its neighbours"
+
+
+@pytest.mark.parametrize("options,tree", [
+    # 3 siblings, the right one anywhere, chains cut at random depths, the fixed budget
+    (dict(siblings=3, shuffle=1, random_depth=True), dict(adaptive=False)),
+    # 4 siblings x 8 depths = 32 nodes cut at a budget of 12, under the adaptive budget
+    (dict(siblings=4, shuffle=2), dict(budget=12)),
+])
+def test_shuffled_oracle_trees_are_accepted_and_exact(tiny, plain, oracle_prompts, options,
+                                                      tree, tmp_path):
+    """Oracle trees of other shapes (the right child at a random sibling position, random
+    depth cut-offs, wide trees cut by the budget and by the scheduler's token budget, with
+    chunked prefill and preemption): drafts are accepted (vLLM's counters) and the output
+    is plain decoding's."""
+    spec = dartree_spec(_oracle_file(tmp_path / "oracle.json", plain, oracle_prompts,
+                                     **options),
+                        drafter_class=ORACLE, **{"budget": 2 * ORACLE_DEPTH, **tree})
+    params = _greedy(oracle_prompts)
+    got = run_job(tmp_path, engine_kwargs(tiny["target"], **BATCHED, speculative_config=spec),
+                  [{"prompts": oracle_prompts, "params": params}])
+    _assert_same(_tokens(got["batches"][0]), _tokens(plain["batches"][0][:len(params)]),
+                 f"oracle {options}")
+    c = got["counters"]
+    assert c["vllm:spec_decode_num_accepted_tokens"] > c["vllm:spec_decode_num_drafts"], \
+        "fewer than one accepted token per round: the shapes were not exercised"
+
+
+def test_drafter_faults_cost_one_tree_not_the_engine(tiny, plain, oracle_prompts, tmp_path):
+    """A drafter that raises, or returns NaN scores, an empty tree, a parent after its
+    child or a token outside the vocabulary, for one request every other round: the engine
+    lives, every output is plain decoding's, the faults are counted, and the other
+    requests keep accepting drafts."""
+    kinds = ["raise", "nan", "empty", "bad_parent", "bad_token"]
+    faults = [{"kind": kind, "prompt": i, "every": 2} for i, kind in enumerate(kinds)]
+    spec = dartree_spec(_oracle_file(tmp_path / "oracle.json", plain, oracle_prompts,
+                                     faults=faults),
+                        drafter_class=ORACLE, budget=2 * ORACLE_DEPTH, adaptive=False)
+    params = _greedy(oracle_prompts)
+    got = run_job(tmp_path, engine_kwargs(tiny["target"], max_num_seqs=12,
+                                          speculative_config=spec,
+                                          per_request_spec_decode_metrics="detailed"),
+                  [{"prompts": oracle_prompts, "params": params}])
+    batch = got["batches"][0]
+    _assert_same(_tokens(batch), _tokens(plain["batches"][0][:len(params)]), "faulty drafter")
+    assert got["budget"]["draft_errors"] > 0
+    assert got["budget"]["invalid_trees"] > 0
+    healthy = [r for r in batch[len(kinds):] if len(r["tokens"]) > 2]
+    assert healthy and all(r["spec"]["num_accepted_draft_tokens"] > 0 for r in healthy)
 
 
 BAN_PLUGIN = """
@@ -286,6 +351,30 @@ def test_sampled_tokens_follow_the_target(plain, dartree8, position):
     table = [row for row in zip(*table) if sum(row)]
     assert len(table) >= 3, "too few distinct tokens for a distribution test"
     assert chi2_contingency(list(zip(*table))).pvalue > 1e-3
+
+
+def test_sampled_walk_accepts_oracle_drafts_and_follows_the_target(tiny, plain, tmp_path):
+    """T = 0.8 with a drafter that proposes the greedy continuation: the sampled walk
+    accepts it where the target's draw agrees (accepted > 0 in vLLM's counters), and the
+    tokens are still distributed as plain sampling's (two-sample chi2)."""
+    table = [[SAMPLED_PROMPT, plain["batches"][5][0]["tokens"]]]
+    oracle = tmp_path / "oracle.json"
+    oracle.write_text(json.dumps({"depth": ORACLE_DEPTH, "layer_ids": [1, 3],
+                                  "continuations": table}))
+    spec = dartree_spec(oracle, drafter_class=ORACLE, budget=2 * ORACLE_DEPTH,
+                        adaptive=False)
+    got = run_job(tmp_path, engine_kwargs(tiny["target"], max_num_seqs=16,
+                                          speculative_config=spec), [_sampled_batch()])
+    assert got["counters"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    for position in (1, 2):
+        ours = [t[position] for t in _tokens(got["batches"][0])]
+        theirs = [t[position] for t in _tokens(plain["batches"][2])]
+        keep = [t for t in set(ours) | set(theirs) if ours.count(t) + theirs.count(t) >= 10]
+        table = [[seq.count(t) for t in keep] + [sum(x not in keep for x in seq)]
+                 for seq in (ours, theirs)]
+        table = [row for row in zip(*table) if sum(row)]
+        assert len(table) >= 3, "too few distinct tokens for a distribution test"
+        assert chi2_contingency(list(zip(*table))).pvalue > 1e-3
 
 
 def test_adaptive_budget_plain_steps_skip_the_drafter(plain, dartree8):

@@ -16,6 +16,7 @@ request's next root, which the runner checks before every draft.
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Hashable, Sequence
 from typing import Protocol
 
@@ -89,9 +90,17 @@ class CheckpointTreeDrafter:
 
 
 class OracleTreeDrafter:
-    """Trees that contain the target's greedy continuation (chain + one wrong sibling per
-    depth), read from a JSON file: {"layer_ids": [...], "depth": D,
-    "continuations": [[prompt_ids, greedy_output_ids], ...]}."""
+    """Trees that contain the target's greedy continuation, read from a JSON file:
+    {"layer_ids": [...], "depth": D, "continuations": [[prompt_ids, greedy_output_ids], ...]}.
+
+    By default each depth holds the chain node first and one wrong sibling. Options (tests
+    whose drafts must be accepted through every shape): "siblings": k wrong-or-right
+    children per depth (k >= 1); "shuffle": a seed that puts the right child at a random
+    sibling position each round; "random_depth": true cuts each round's chain at a random
+    depth in 1..D; "faults": [{"kind": "raise" | "nan" | "empty" | "bad_parent" |
+    "bad_token", "prompt": i, "every": n}, ...] misbehaves, for the request of continuation
+    i, in every round whose context length is a multiple of n (the engine must survive it
+    and stay exact)."""
 
     def __init__(self, config: DARTreeConfig, path: str, vocab_size: int):
         data = json.loads(open(path).read())
@@ -99,6 +108,10 @@ class OracleTreeDrafter:
         self.layer_ids = tuple(data.get("layer_ids", [0]))
         self.depth = int(data["depth"])
         self.table = [(list(p), list(o)) for p, o in data["continuations"]]
+        self.siblings = max(1, int(data.get("siblings", 2)))
+        self.shuffle = data.get("shuffle")
+        self.random_depth = bool(data.get("random_depth", False))
+        self.faults = {int(f["prompt"]): f for f in data.get("faults", ())}
         self.tokens: dict[Hashable, list[int]] = {}
 
     def length(self, rid) -> int:
@@ -114,38 +127,81 @@ class OracleTreeDrafter:
         for rid, toks in zip(rids, tokens):
             self.tokens.setdefault(rid, []).extend(int(t) for t in toks)
 
-    def _continuation(self, seq: list[int]) -> list[int]:
-        for prompt, output in self.table:
+    def _match(self, seq: list[int]) -> int:
+        for i, (prompt, output) in enumerate(self.table):
             full = prompt + output
             if len(seq) >= len(prompt) and full[:len(seq)] == seq:
-                return full[len(seq):len(seq) + self.depth]
-        return []
+                return i
+        return -1
+
+    def _continuation(self, seq: list[int]) -> list[int]:
+        i = self._match(seq)
+        if i < 0:
+            return []
+        full = self.table[i][0] + self.table[i][1]
+        return full[len(seq):len(seq) + self.depth]
 
     @property
     def num_depths(self) -> int:
         return self.depth
+
+    def _faulty(self, seq: list[int]) -> str | None:
+        f = self.faults.get(self._match(seq)) if self.faults else None
+        if f is None or len(seq) % int(f.get("every", 1)):
+            return None
+        return f["kind"]
+
+    def _tree(self, seq: list[int], depth: int):
+        """(tokens, parents, depths, scores) of one request's round, best-first."""
+        cont = self._continuation(seq)[:depth]
+        rng = random.Random(hash((self.shuffle, len(seq)))) if self.shuffle is not None \
+            else None
+        if rng is not None and self.random_depth and cont:
+            cont = cont[:rng.randint(1, len(cont))]
+        tokens, parents, depths, scores = [], [], [], []
+        parent = -1
+        for d, tok in enumerate(cont, start=1):
+            right = rng.randrange(self.siblings) if rng is not None else 0
+            chain = parent
+            for j in range(self.siblings):
+                offset = (j - right) % self.siblings     # 0 at the right child's slot
+                if offset == 0:
+                    chain = len(tokens)
+                tokens.append(tok if offset == 0 else (tok + offset) % self.vocab_size)
+                parents.append(parent)
+                depths.append(d)
+                scores.append(0.0)   # one score for all: the order is best-first
+            parent = chain
+        return tokens, parents, depths, scores
 
     def draft(self, rids, roots: torch.Tensor, num_depths: int | None = None) -> TreeBatch:
         budget = self.config.budget
         depth = self.depth if num_depths is None else min(num_depths, self.depth)
         trees = []
         for rid, root in zip(rids, roots.tolist()):
-            cont = self._continuation(self.tokens.get(rid, []) + [int(root)])[:depth]
-            tokens, parents, depths = [], [], []
-            for d, tok in enumerate(cont, start=1):
-                parent = -1 if d == 1 else len(tokens) - 2   # previous chain node
-                tokens += [tok, (tok + 1) % self.vocab_size]
-                parents += [parent, parent]
-                depths += [d, d]
-            trees.append((tokens[:budget], parents[:budget], depths[:budget]))
+            seq = self.tokens.get(rid, []) + [int(root)]
+            tokens, parents, depths, scores = (x[:budget] for x in self._tree(seq, depth))
+            kind = self._faulty(seq)
+            if kind == "raise":
+                raise RuntimeError(f"injected drafter fault for request {rid}")
+            if kind == "empty":
+                tokens, parents, depths, scores = [], [], [], []
+            elif kind == "nan" and scores:
+                scores[0] = float("nan")
+            elif kind == "bad_parent" and len(parents) > 1:
+                parents[0] = len(parents) - 1
+            elif kind == "bad_token" and tokens:
+                tokens[0] = self.vocab_size + 7
+            trees.append((tokens, parents, depths, scores))
         n = max(1, max(len(t[0]) for t in trees))
         tok = torch.zeros(len(trees), n, dtype=torch.long)
         dep = torch.zeros(len(trees), n, dtype=torch.long)
         par = torch.full((len(trees), n), -1, dtype=torch.long)
-        scores = torch.full((len(trees), n), float("-inf"))
-        for r, (t, p, d) in enumerate(trees):
+        sco = torch.full((len(trees), n), float("-inf"))
+        for r, (t, p, d, sc) in enumerate(trees):
             m = len(t)
-            tok[r, :m], par[r, :m], dep[r, :m] = torch.tensor(t), torch.tensor(p), torch.tensor(d)
-            scores[r, :m] = 0.0
+            if m:
+                tok[r, :m], par[r, :m] = torch.tensor(t), torch.tensor(p)
+                dep[r, :m], sco[r, :m] = torch.tensor(d), torch.tensor(sc)
         num = torch.tensor([len(t[0]) for t in trees], dtype=torch.long)
-        return TreeBatch(tok, par, dep, scores, num)
+        return TreeBatch(tok, par, dep, sco, num)

@@ -101,12 +101,9 @@ class DraftingMixin:
             scores = np.zeros((len(rids), 0))
         else:
             start = time.perf_counter()
-            trees = drafter.draft(rids, torch.tensor(roots, device=features.device),
-                                  num_depths=None if plan is None else plan.depth)
-            counts = trees.num_nodes.tolist()
-            tokens, parents, depths = (trees.tokens.cpu(), trees.parents.cpu(),
-                                       trees.depths.cpu())
-            scores = trees.scores.cpu().double().numpy()
+            trees = self._dt_safe_draft(drafter, rids, roots, features.device,
+                                        None if plan is None else plan.depth)
+            counts, tokens, parents, depths, scores = trees
             if budget is not None:
                 budget.observe_draft(len(rids), plan.depth, time.perf_counter() - start)
         # vLLM's per-position counters and rejection buffers hold num_speculative_tokens
@@ -137,6 +134,61 @@ class DraftingMixin:
             out[i] = draft[:n]
         return out
 
+    def _dt_safe_draft(self, drafter, rids, roots, device, num_depths):
+        """One batched draft, host-side: (counts, tokens, parents, depths, scores). A drafter
+        that raises is retried one request at a time, so only the request it fails on goes
+        without a tree; a tree that is not a tree (NaN or infinite scores, tokens outside
+        the vocabulary, a parent that is not an earlier node, a depth that is not its
+        parent's + 1) is dropped. Each fault is counted (`dartree_budget`: draft_errors,
+        invalid_trees) and logged once per kind: the request decodes plainly that step."""
+        try:
+            parts = [drafter.draft(rids, torch.tensor(roots, device=device),
+                                   num_depths=num_depths)]
+            owners = [list(range(len(rids)))]
+        except Exception as err:   # noqa: BLE001 - any drafter failure: isolate it
+            self._dt_fault("draft_errors", f"the drafter raised {type(err).__name__}: {err}")
+            parts, owners = [], []
+            for j, rid in enumerate(rids):
+                try:
+                    parts.append(drafter.draft([rid], torch.tensor([roots[j]], device=device),
+                                               num_depths=num_depths))
+                    owners.append([j])
+                except Exception:   # noqa: BLE001
+                    self._dt_faults["draft_errors"] += 1
+        width = max([int(t.max_nodes) for t in parts] + [0])
+        r = len(rids)
+        counts = [0] * r
+        tokens = torch.zeros(r, width, dtype=torch.int64)
+        parents = torch.full((r, width), -1, dtype=torch.int64)
+        depths = torch.zeros(r, width, dtype=torch.int64)
+        scores = np.zeros((r, width))
+        vocab = int(getattr(self.input_batch, "vocab_size", 0) or 0)
+        for trees, rows in zip(parts, owners):
+            n = trees.max_nodes
+            t_counts = trees.num_nodes.tolist()
+            t_tokens, t_parents, t_depths = (trees.tokens.cpu(), trees.parents.cpu(),
+                                             trees.depths.cpu())
+            t_scores = trees.scores.cpu().double().numpy()
+            for k, j in enumerate(rows):
+                m = int(t_counts[k])
+                problem = _tree_problem(t_tokens[k, :m], t_parents[k, :m], t_depths[k, :m],
+                                        t_scores[k, :m], vocab)
+                if problem:
+                    self._dt_fault("invalid_trees", f"the drafter returned an invalid tree "
+                                   f"({problem})")
+                    continue
+                counts[j] = m
+                tokens[j, :n], parents[j, :n] = t_tokens[k], t_parents[k]
+                depths[j, :n], scores[j, :n] = t_depths[k], t_scores[k]
+        return counts, tokens, parents, depths, scores
+
+    def _dt_fault(self, kind: str, message: str) -> None:
+        self._dt_faults[kind] += 1
+        if kind not in self._dt_fault_logged:
+            self._dt_fault_logged.add(kind)
+            logger.warning("dartree: %s; that request decodes without speculation this step "
+                           "(logged once; counted in dartree_budget[%r])", message, kind)
+
     @staticmethod
     def _dt_estimate(budget: TreeBudget | None, rid, greedy: bool):
         """How lookup ranks a merged tree's nodes: the budget's calibrated acceptance, or,
@@ -153,3 +205,22 @@ class DraftingMixin:
         if self._dt_budget is None:
             self._dt_budget = TreeBudget(self.dartree.config.budget, drafter.num_depths)
         return self._dt_budget
+
+
+def _tree_problem(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                  scores: np.ndarray, vocab: int) -> str:
+    """Why m drafted nodes are not a verifiable tree ('' when they are)."""
+    m = int(tokens.shape[0])
+    if not m:
+        return ""
+    if not np.isfinite(scores).all():
+        return "non-finite scores"
+    if int(tokens.min()) < 0 or (vocab and int(tokens.max()) >= vocab):
+        return "token ids outside the vocabulary"
+    index = torch.arange(m)
+    if bool((parents < -1).any()) or bool((parents >= index).any()):
+        return "a parent that is not an earlier node"
+    parent_depth = torch.where(parents >= 0, depths[parents.clamp(min=0)], 0)
+    if bool((depths != parent_depth + 1).any()):
+        return "depths that are not their parent's + 1"
+    return ""

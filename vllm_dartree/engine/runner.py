@@ -67,6 +67,8 @@ class DARTreeRunnerMixin(TreeSamplerMixin, CompactionMixin, DraftingMixin):
         self._dt_clock: list[float] = []              # this step's (start, drafting seconds)
         self._dt_timing: tuple[int, bool] | None = None   # this step's (rows, trees) to time
         self._dt_custom_logitsprocs = self._dt_install_logitsprocs(vllm_config, device)
+        self._dt_faults: dict[str, int] = {"draft_errors": 0, "invalid_trees": 0}
+        self._dt_fault_logged: set[str] = set()
 
     def _dt_install_logitsprocs(self, vllm_config, device) -> tuple[str, ...]:
         """Logits processors installed as plugins (entry point group
@@ -225,11 +227,13 @@ class DARTreeWorkerMixin:
         """The adaptive budget's counters and fitted costs (`collective_rpc("dartree_budget")`):
         plain / tree / exploring steps, verified trees and nodes, predicted vs observed
         accepted tokens, lookup nodes verified / accepted, live per-request state (lookup
-        indices included) and index rebuilds; {} with `adaptive: false`."""
+        indices included), index rebuilds, and the drafter's faults (draft_errors,
+        invalid_trees: requests that decoded without a tree because of them); only the
+        faults with `adaptive: false`."""
         runner = self.model_runner
         if runner._dt_budget is None:
-            return {}
+            return dict(runner._dt_faults)
         lookup = runner._dt_lookup
-        return {**runner._dt_budget.summary(),
+        return {**runner._dt_budget.summary(), **runner._dt_faults,
                 "lookup_live_requests": 0 if lookup is None else len(lookup),
                 "lookup_rebuilds": 0 if lookup is None else lookup.rebuilds}
