@@ -46,6 +46,10 @@ class ContextCache:
     def __contains__(self, rid: Hashable) -> bool:
         return rid in self._len
 
+    def __len__(self) -> int:
+        """Live requests (those not freed)."""
+        return len(self._len)
+
     def length(self, rid: Hashable) -> int:
         """Context tokens of request rid (= the position of its next root)."""
         return self._len.get(rid, 0)

@@ -39,6 +39,8 @@ class TreeDrafter(Protocol):
 
     def free(self, rid: Hashable) -> None: ...
 
+    live_requests: int           # requests whose context is held (a gauge on /metrics)
+
     def extend(self, rids: Sequence[Hashable], tokens: Sequence[Sequence[int]],
                features: Sequence[torch.Tensor]) -> None: ...
 
@@ -75,6 +77,11 @@ class CheckpointTreeDrafter:
 
     def free(self, rid: Hashable) -> None:
         self.cache.free(rid)
+
+    @property
+    def live_requests(self) -> int:
+        """Requests whose context is held (0 once every request has been freed)."""
+        return len(self.cache)
 
     def extend(self, rids, tokens, features) -> None:
         self.drafter.backbone.extend_context(self.cache, list(rids), list(features))
@@ -122,6 +129,10 @@ class OracleTreeDrafter:
 
     def free(self, rid) -> None:
         self.tokens.pop(rid, None)
+
+    @property
+    def live_requests(self) -> int:
+        return len(self.tokens)
 
     def extend(self, rids, tokens, features) -> None:
         for rid, toks in zip(rids, tokens):

@@ -33,6 +33,7 @@ class DraftingMixin:
         start = time.perf_counter()
         with self._dt_timed("draft"):
             out = self._dt_propose(*args, **kwargs)
+            self._dt_publish_state()
         if len(self._dt_clock) == 2:
             self._dt_clock[1] += time.perf_counter() - start
         return out

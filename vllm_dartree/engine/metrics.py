@@ -7,8 +7,10 @@ per-position acceptance is the per-depth survival curve. Its "draft acceptance r
 scheduler statistics: verified nodes per round and the histogram of accepted depths.
 
 Prometheus: `vllm:dartree_rounds_total`, `vllm:dartree_tree_nodes_total` and
-`vllm:dartree_accepted_depth_total{depth="d"}` (rounds that accepted exactly d nodes).
-Active only in engines started with a dartree speculative config.
+`vllm:dartree_accepted_depth_total{depth="d"}` (rounds that accepted exactly d nodes);
+and the worker's per-request state and drafter faults as gauges
+(`vllm:dartree_live_request_state{kind}`, `vllm:dartree_drafter_faults{kind}`:
+`engine.live_state`). Active only in engines started with a dartree speculative config.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from vllm_dartree.engine.live_state import register_collector, state_path
 from vllm_dartree.engine.settings import KEY
 
 __all__ = ["DARTreeStatLogger", "TreeStats"]
@@ -76,6 +79,8 @@ class DARTreeStatLogger(StatLoggerBase):
         self.active = isinstance(extra, dict) and KEY in extra
         self.engine = str(engine_index)
         self.window = TreeStats()
+        if self.active:   # the worker's per-request state and drafter faults, as gauges
+            register_collector(state_path(vllm_config), self.engine)
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
         spec = getattr(scheduler_stats, "spec_decoding_stats", None)

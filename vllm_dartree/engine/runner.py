@@ -40,6 +40,7 @@ import numpy as np
 from vllm_dartree.engine.compaction import CompactionMixin
 from vllm_dartree.engine.controller import TreeBudget
 from vllm_dartree.engine.drafting import DraftingMixin
+from vllm_dartree.engine.live_state import StatePublisher, state_path
 from vllm_dartree.engine.lookup_branches import LookupBranches
 from vllm_dartree.engine.settings import EngineSettings
 from vllm_dartree.engine.tree_inputs import StepTrees, StoredTree, tree_rows
@@ -69,6 +70,17 @@ class DARTreeRunnerMixin(TreeSamplerMixin, CompactionMixin, DraftingMixin):
         self._dt_custom_logitsprocs = self._dt_install_logitsprocs(vllm_config, device)
         self._dt_faults: dict[str, int] = {"draft_errors": 0, "invalid_trees": 0}
         self._dt_fault_logged: set[str] = set()
+        self._dt_publisher = StatePublisher(state_path(vllm_config))
+
+    def _dt_publish_state(self) -> None:
+        """The per-request state this worker holds, for /metrics (`engine.live_state`)."""
+        drafter = getattr(self.drafter, "tree_drafter", None)
+        self._dt_publisher.publish({
+            "drafter_contexts": int(getattr(drafter, "live_requests", 0) or 0),
+            "stored_trees": len(self._dt_trees),
+            "budget_requests": 0 if self._dt_budget is None else self._dt_budget.live_requests,
+            "lookup_requests": 0 if self._dt_lookup is None else len(self._dt_lookup),
+            "no_context_requests": len(self._dt_broken), **self._dt_faults})
 
     def _dt_install_logitsprocs(self, vllm_config, device) -> tuple[str, ...]:
         """Logits processors installed as plugins (entry point group
@@ -159,7 +171,10 @@ class DARTreeRunnerMixin(TreeSamplerMixin, CompactionMixin, DraftingMixin):
                 drafter.free(rid)
                 if self._dt_budget is not None:
                     self._dt_budget.free(rid)
-        return super()._update_states(scheduler_output)
+        result = super()._update_states(scheduler_output)
+        if gone:
+            self._dt_publish_state()
+        return result
 
     # -- 2. positions and masks ----------------------------------------------------------
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
