@@ -39,6 +39,8 @@ setup(
         "pydantic>=2.6",
     ],
     entry_points={
+        # `vllm-dartree serve ...` = `vllm serve ...` (the CPU wheel's `vllm` command fails)
+        "console_scripts": ["vllm-dartree = vllm_dartree.engine.cli:main"],
         "vllm.general_plugins": ["dartree = vllm_dartree.engine.plugin:register"],
         "vllm.stat_logger_plugins": ["dartree = vllm_dartree.engine.metrics:DARTreeStatLogger"],
     },

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_dartree import registry
+from vllm_dartree.prompts import chat_prompt_ids, read_prompt_ids
 
 __all__ = ["chat_prompt_ids", "read_prompt_ids", "BenchPrompt", "DATASETS", "UNAVAILABLE",
            "MATH_SUFFIX", "fetch_wheel",
@@ -64,32 +65,6 @@ UNAVAILABLE = {
     "mbpp": "MBPP ships in no package of the registries this project can reach",
     "alpaca": "Alpaca ships in no package of the registries this project can reach",
 }
-
-
-def chat_prompt_ids(tokenizer, text: str, use_template: bool = True) -> list[int]:
-    """One user turn -> token ids, with the tokenizer's chat template (thinking off where the
-    template has the switch) when it has one."""
-    if not (use_template and tokenizer.chat_template):
-        return list(tokenizer(text)["input_ids"])
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                         add_generation_prompt=True, enable_thinking=False)
-    return list(tokenizer(chat, add_special_tokens=False)["input_ids"])
-
-
-def read_prompt_ids(path: str | Path, tokenizer, use_template: bool = True,
-                    limit: int | None = None) -> tuple[list[str], list[list[int]]]:
-    """A JSONL file of {"prompt": text} lines -> (texts, token ids), the first `limit`."""
-    texts: list[str] = []
-    for line_no, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            texts.append(json.loads(line)["prompt"])
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise SystemExit(f"{path}:{line_no}: expected a JSON object with a 'prompt' field")
-        if limit and len(texts) >= limit:
-            break
-    return texts, [chat_prompt_ids(tokenizer, t, use_template) for t in texts]
 
 
 def _check_name(name: str) -> _Source:

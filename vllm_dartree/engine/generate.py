@@ -34,9 +34,12 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from vllm_dartree.bench.datasets import read_prompt_ids
+    from vllm_dartree.prompts import PromptFileError, read_prompt_ids
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    texts, prompt_ids = read_prompt_ids(args.prompts, tokenizer)
+    try:
+        texts, prompt_ids = read_prompt_ids(args.prompts, tokenizer)
+    except PromptFileError as err:
+        parser.error(str(err))
     out = Path(args.out)
     done = sum(1 for line in open(out) if line.strip()) if out.exists() else 0
     if done >= len(texts):

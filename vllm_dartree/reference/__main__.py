@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from vllm_dartree.bench.datasets import read_prompt_ids
+from vllm_dartree.prompts import PromptFileError, read_prompt_ids
 from vllm_dartree.reference.decoder import (
     METHODS,
     DrafterSession,
@@ -73,8 +73,11 @@ def main(argv: list[str] | None = None) -> None:
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     drafter = load_drafter_for(target, args.drafter, dtype) if args.drafter else None
-    _, prompts = read_prompt_ids(args.prompts, tokenizer, not args.no_chat_template,
-                                 args.limit)
+    try:
+        _, prompts = read_prompt_ids(args.prompts, tokenizer, not args.no_chat_template,
+                                     args.limit)
+    except PromptFileError as err:
+        raise SystemExit(str(err)) from None
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             eos_token_ids=eos_token_ids(target, tokenizer))

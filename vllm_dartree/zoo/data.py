@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_dartree.zoo.train import FeatureShard
+from vllm_dartree.zoo.features import load_shards
 
 __all__ = ["write_prompts", "generate_responses", "write_features", "load_shards", "main"]
 
@@ -86,25 +86,6 @@ def write_features(target_dir: Path, responses: Path, workdir: Path,
         tmp.replace(path)
         print(f"{path.name}: {len(shard)} sequences", flush=True)
     return paths
-
-
-def load_shards(paths: list[Path], responses: Path | None = None) -> list[FeatureShard]:
-    """The shards' sequences (features stay bf16 and on disk until a step reads them; the
-    drafter converts them); prompt lengths from the shards, or for shards written before
-    they were stored, from `responses` (the responses.jsonl the shards were made from)."""
-    rows = ([json.loads(line) for line in open(responses) if line.strip()]
-            if responses is not None and responses.exists() else None)
-    out = []
-    for path in paths:   # memory-mapped: 9,500 sequences of features exceed the RAM
-        for item in torch.load(path, mmap=True):
-            prompt_len = item.get("prompt_len")
-            if prompt_len is None and rows is not None:
-                row = rows[len(out)]
-                if len(row["prompt_ids"]) + len(row["output_ids"]) != item["tokens"].shape[0]:
-                    raise ValueError(f"{path}: sequence {len(out)} does not match {responses}")
-                prompt_len = len(row["prompt_ids"])
-            out.append(FeatureShard(item["tokens"], item["features"], prompt_len or 0))
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from vllm_dartree.drafter import DFlashBackbone, DominoGRUHead, DrafterSpec
 from vllm_dartree.drafter.checkpoint import DRAFT_VOCAB_KEY
+from vllm_dartree.zoo.features import FeatureShard, load_shards
 
 __all__ = ["TrainConfig", "FeatureShard", "DrafterTrainer", "domino_loss", "export_domino",
            "held_out_acceptance", "spec_for_target", "main"]
@@ -63,19 +64,6 @@ class TrainConfig:
             return self.lr
         frac = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
         return self.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
-
-
-@dataclass
-class FeatureShard:
-    tokens: torch.Tensor     # [T] int64
-    features: torch.Tensor   # [T, n*H] the target's features of every token
-    first_anchor: int = 0    # the prompt length: anchors (block roots) are response tokens
-
-    def anchor_range(self) -> tuple[int, int]:
-        """[lo, hi) of the anchors whose block has at least one label (as SpecForge's loss
-        mask: the drafter never drafts inside the prompt, so it is not trained there)."""
-        hi = max(1, self.tokens.shape[0] - 1)
-        return min(self.first_anchor, hi - 1), hi
 
 
 def domino_loss(backbone: DFlashBackbone, head: DominoGRUHead, shard: FeatureShard,
@@ -393,7 +381,6 @@ def main(argv: list[str] | None = None) -> float | None:
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from vllm_dartree.zoo.data import load_shards
     tcfg = AutoConfig.from_pretrained(args.target)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
     embed = target.get_input_embeddings().weight.detach()
