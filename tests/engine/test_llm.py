@@ -46,6 +46,12 @@ def _features_batch(prompts):
     return {"prompts": prompts[:len(params)], "params": params}
 
 
+def _seeded_long_batch(prompts):
+    """Seeded requests on the 300-token prompt: chunked at 160 tokens under BATCHED."""
+    return {"prompts": [prompts[-1]] * 3,
+            "params": [dict(max_tokens=8, temperature=0.8, seed=s) for s in (1, 2, 3)]}
+
+
 def _fallback_batch(prompts):
     """_features_batch + extra_args + 4 greedy requests (test_full_sampler_requests_...)."""
     params = _features_batch(prompts)["params"]          # 4 need vLLM's sampler
@@ -107,7 +113,7 @@ def dartree8(tiny, prompts, tmp_path_factory):
     sampled = _sampled_batch()
     return run_job(tmp_path_factory.mktemp("dartree8"), engine,
                    [{"prompts": prompts, "params": _greedy(prompts)}, sampled, sampled,
-                    _features_batch(prompts)])
+                    _features_batch(prompts), _seeded_long_batch(prompts)])
 
 
 def test_dartree_greedy_equals_plain_batched(plain, dartree8):
@@ -330,6 +336,18 @@ def test_logits_processor_plugins_apply_as_in_plain_decoding(tiny, plain, prompt
     assert want != _tokens(plain["batches"][0][:6]), "the plugin did not act"
     assert all(banned not in t for t in want)
     _assert_same(got, want, "logits processor plugin")
+
+
+def test_seeded_requests_survive_chunked_prefill(tiny, prompts, dartree8, tmp_path):
+    """A seeded request whose prompt is chunked samples (and discards) a token per partial
+    chunk; vLLM rewinds its generator with `set_offset`, which CPU generators lack (stock
+    vLLM on CPU dies: "CPU Generator does not use offset"). The plugin restores the
+    generator's state instead: the engine lives, and the tokens equal an unchunked run's."""
+    unchunked = run_job(tmp_path, engine_kwargs(
+        tiny["target"], max_num_seqs=8, max_num_batched_tokens=2048,
+        speculative_config=dartree_spec(tiny["drafter"])), [_seeded_long_batch(prompts)])
+    assert len(prompts[-1]) > BATCHED["max_num_batched_tokens"]
+    assert _tokens(dartree8["batches"][4]) == _tokens(unchunked["batches"][0])
 
 
 def test_seeded_sampling_is_reproducible(plain, dartree8):

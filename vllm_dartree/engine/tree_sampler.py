@@ -95,8 +95,37 @@ class TreeSamplerMixin:
         return needs_full_sampler(getattr(self.requests.get(rid), "sampling_params", None))
 
     def _sample(self, logits, spec_decode_metadata):
+        self._dt_save_discarded_generators()
         with self._dt_timed("walk"):
             return self._dt_sample(logits, spec_decode_metadata)
+
+    def _dt_save_discarded_generators(self) -> None:
+        """Seeded requests in a partial prefill sample a token that is discarded; vLLM then
+        rewinds their generator with `set_offset`, which CPU generators do not have (stock
+        vLLM on CPU dies there: "CPU Generator does not use offset"). Their state is saved
+        here, before sampling, and restored in `_bookkeeping_sync` instead."""
+        self._dt_rewind = {}
+        mask = getattr(self, "discard_request_mask", None)
+        if mask is None:
+            return
+        generators = self.input_batch.generators
+        for i in np.nonzero(mask.np[:self.input_batch.num_reqs])[0].tolist():
+            gen = generators.get(int(i))
+            if gen is not None and gen.device.type == "cpu":
+                self._dt_rewind[int(i)] = (gen, gen.get_state())
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        rewind, self._dt_rewind = getattr(self, "_dt_rewind", {}), {}
+        generators = self.input_batch.generators
+        held = {}
+        for i, (gen, state) in rewind.items():
+            if generators.get(i) is gen:      # restored here; hidden from vLLM's set_offset
+                gen.set_state(state)
+                held[i] = generators.pop(i)
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            generators.update(held)
 
     def _dt_sample(self, logits, spec_decode_metadata):
         step = self._dt_step
