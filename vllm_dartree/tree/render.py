@@ -144,8 +144,11 @@ def _panel_svg(panel: Panel, ox: float) -> tuple[list[str], float, float]:
         tip = "root" if i < 0 else f"node {i}, depth {d}, path probability {prob:.3f}"
         out.append(f'<g class="{cls}"><title>{_xml(tip)}</title>'
                    f'<rect x="{cx - NODE_W / 2:.1f}" y="{cy - NODE_H / 2:.1f}" '
-                   f'width="{NODE_W}" height="{NODE_H}" rx="5" fill="{_shade(prob)}"/>'
-                   f'<text x="{cx:.1f}" y="{cy + 4:.1f}">{_xml(_label(text))}</text></g>')
+                   f'width="{NODE_W}" height="{NODE_H}" rx="5" '
+                   f'fill="{"#f0f0f0" if i < 0 else _shade(prob)}"/>'
+                   f'<text x="{cx:.1f}" y="{cy + 4:.1f}" '
+                   f'fill="{"#fff" if i >= 0 and prob > 0.45 else "#000"}">'
+                   f'{_xml(_label(text))}</text></g>')
     return out, width, height
 
 
