@@ -164,6 +164,7 @@ class DARTreeRunnerMixin(TreeSamplerMixin, CompactionMixin, DraftingMixin):
         gone |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         for rid in gone:
             self._dt_trees.pop(rid, None)
+            self.__dict__.get("_dt_full_cache", {}).pop(rid, None)
             self._dt_broken.discard(rid)
             if self._dt_lookup is not None:
                 self._dt_lookup.free(rid)

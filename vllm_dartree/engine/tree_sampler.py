@@ -92,7 +92,13 @@ class TreeSamplerMixin:
         apply to any request)."""
         if getattr(self, "_dt_custom_logitsprocs", ()):
             return True
-        return needs_full_sampler(getattr(self.requests.get(rid), "sampling_params", None))
+        cache = self.__dict__.setdefault("_dt_full_cache", {})   # per request: its params
+        state = self.requests.get(rid)                           # never change
+        sp = getattr(state, "sampling_params", None)
+        hit = cache.get(rid)
+        if hit is None or hit[0] is not sp:
+            hit = cache[rid] = (sp, needs_full_sampler(sp))
+        return hit[1]
 
     def _sample(self, logits, spec_decode_metadata):
         self._dt_save_discarded_generators()
