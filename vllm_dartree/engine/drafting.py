@@ -158,29 +158,21 @@ class DraftingMixin:
                     self._dt_faults["draft_errors"] += 1
         width = max([int(t.max_nodes) for t in parts] + [0])
         r = len(rids)
-        counts = [0] * r
+        counts = torch.zeros(r, dtype=torch.int64)
         tokens = torch.zeros(r, width, dtype=torch.int64)
         parents = torch.full((r, width), -1, dtype=torch.int64)
         depths = torch.zeros(r, width, dtype=torch.int64)
-        scores = np.zeros((r, width))
+        scores = torch.full((r, width), float("-inf"), dtype=torch.float64)
+        for trees, rows in zip(parts, owners):   # one part unless the drafter raised
+            at, n = torch.tensor(rows), trees.max_nodes
+            counts[at] = trees.num_nodes.cpu()
+            tokens[at, :n], parents[at, :n] = trees.tokens.cpu(), trees.parents.cpu()
+            depths[at, :n], scores[at, :n] = trees.depths.cpu(), trees.scores.cpu().double()
         vocab = int(getattr(self.input_batch, "vocab_size", 0) or 0)
-        for trees, rows in zip(parts, owners):
-            n = trees.max_nodes
-            t_counts = trees.num_nodes.tolist()
-            t_tokens, t_parents, t_depths = (trees.tokens.cpu(), trees.parents.cpu(),
-                                             trees.depths.cpu())
-            t_scores = trees.scores.cpu().double().numpy()
-            for k, j in enumerate(rows):
-                m = int(t_counts[k])
-                problem = _tree_problem(t_tokens[k, :m], t_parents[k, :m], t_depths[k, :m],
-                                        t_scores[k, :m], vocab)
-                if problem:
-                    self._dt_fault("invalid_trees", f"the drafter returned an invalid tree "
-                                   f"({problem})")
-                    continue
-                counts[j] = m
-                tokens[j, :n], parents[j, :n] = t_tokens[k], t_parents[k]
-                depths[j, :n], scores[j, :n] = t_depths[k], t_scores[k]
+        for j, problem in _tree_problems(tokens, parents, depths, scores, counts, vocab):
+            self._dt_fault("invalid_trees", f"the drafter returned an invalid tree ({problem})")
+            counts[j] = 0
+        counts, scores = counts.tolist(), scores.numpy()
         return counts, tokens, parents, depths, scores
 
     def _dt_fault(self, kind: str, message: str) -> None:
@@ -208,20 +200,20 @@ class DraftingMixin:
         return self._dt_budget
 
 
-def _tree_problem(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-                  scores: np.ndarray, vocab: int) -> str:
-    """Why m drafted nodes are not a verifiable tree ('' when they are)."""
-    m = int(tokens.shape[0])
-    if not m:
-        return ""
-    if not np.isfinite(scores).all():
-        return "non-finite scores"
-    if int(tokens.min()) < 0 or (vocab and int(tokens.max()) >= vocab):
-        return "token ids outside the vocabulary"
-    index = torch.arange(m)
-    if bool((parents < -1).any()) or bool((parents >= index).any()):
-        return "a parent that is not an earlier node"
-    parent_depth = torch.where(parents >= 0, depths[parents.clamp(min=0)], 0)
-    if bool((depths != parent_depth + 1).any()):
-        return "depths that are not their parent's + 1"
-    return ""
+def _tree_problems(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                   scores: torch.Tensor, counts: torch.Tensor, vocab: int) -> list[tuple[int, str]]:
+    """(row, why) for every row of a drafted batch [R, N] whose first counts[r] nodes are not
+    a verifiable tree; checked for the whole batch at once."""
+    slot = torch.arange(tokens.shape[1])
+    valid = slot[None, :] < counts[:, None]
+    parent_depth = torch.where(parents >= 0, depths.gather(1, parents.clamp(min=0)), 0)
+    checks = (("non-finite scores", ~torch.isfinite(scores)),
+              ("token ids outside the vocabulary",
+               (tokens < 0) | (tokens >= vocab) if vocab else tokens < 0),
+              ("a parent that is not an earlier node", (parents < -1) | (parents >= slot)),
+              ("depths that are not their parent's + 1", depths != parent_depth + 1))
+    found: dict[int, str] = {}
+    for why, bad in checks:
+        for j in (bad & valid).any(dim=1).nonzero().flatten().tolist():
+            found.setdefault(j, why)
+    return sorted(found.items())
