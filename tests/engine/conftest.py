@@ -47,15 +47,15 @@ def dartree_spec(drafter, **overrides):
 
 
 def run_job(tmp_path, engine: dict, batches: list[dict], timeout: int = 900,
-            env: dict | None = None) -> dict:
-    """Run one engine over `batches` in a fresh process (extra environment `env`);
-    returns llm_job.py's JSON."""
+            env: dict | None = None, **options) -> dict:
+    """Run one engine over `batches` in a fresh process (extra environment `env`, extra
+    llm_job.py `options`); returns llm_job.py's JSON."""
     job, out = tmp_path / "job.json", tmp_path / "out.json"
     for i in range(1000):
         job, out = tmp_path / f"job{i}.json", tmp_path / f"out{i}.json"
         if not job.exists():
             break
-    job.write_text(json.dumps({"engine": engine, "batches": batches}))
+    job.write_text(json.dumps({"engine": engine, "batches": batches, **options}))
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", **(env or {}))
     env.pop("TRITON_INTERPRET", None)

@@ -13,6 +13,21 @@ import json
 import sys
 
 
+def _drafter_tables(worker):
+    """Row-weighted sums of the drafter's embedding and lm-head tables on this worker (None
+    where no checkpoint drafter is loaded, e.g. tensor-parallel ranks other than 0)."""
+    import torch
+    backbone = getattr(getattr(worker.model_runner.drafter.tree_drafter, "drafter", None),
+                       "backbone", None)
+    if backbone is None:
+        return None
+    out = []
+    for w in (backbone.embed_weight, backbone.lm_head_weight):
+        rows = torch.arange(1, w.shape[0] + 1, dtype=torch.float64)[:, None]
+        out.append([int(w.shape[0]), float((w.double() * rows).sum())])
+    return out
+
+
 def main() -> None:
     job = json.loads(open(sys.argv[1]).read())
     from vllm import LLM, SamplingParams
@@ -45,6 +60,8 @@ def main() -> None:
     spec = job["engine"].get("speculative_config") or {}
     if spec.get("method") == "dartree":   # the adaptive budget's counters ({} when off)
         result["budget"] = llm.collective_rpc("dartree_budget")[0]
+    if job.get("drafter_tables"):   # needs VLLM_ALLOW_INSECURE_SERIALIZATION=1
+        result["drafter_tables"] = llm.collective_rpc(_drafter_tables)
     open(sys.argv[2], "w").write(json.dumps(result))
 
 

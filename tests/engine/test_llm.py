@@ -292,6 +292,49 @@ def test_drafter_faults_cost_one_tree_not_the_engine(tiny, plain, oracle_prompts
     assert healthy and all(r["spec"]["num_accepted_draft_tokens"] > 0 for r in healthy)
 
 
+TP2 = dict(tensor_parallel_size=2, distributed_executor_backend="mp")
+
+
+def test_tensor_parallel_2_is_exact_and_accepts(tiny, plain, oracle_prompts, tmp_path):
+    """tensor_parallel_size = 2 (vLLM's multiprocess executor, one thread per rank on this
+    CPU, chunked prefill and preemption): rank 0 drafts and broadcasts each round's trees,
+    so both ranks mask and compact the same nodes of their KV-head shards. Shuffled oracle
+    trees are accepted, and the output is TP = 1 plain decoding's."""
+    spec = dartree_spec(_oracle_file(tmp_path / "oracle.json", plain, oracle_prompts,
+                                     siblings=3, shuffle=11, random_depth=True),
+                        drafter_class=ORACLE, budget=2 * ORACLE_DEPTH)
+    params = _greedy(oracle_prompts)
+    got = run_job(tmp_path, engine_kwargs(tiny["target"], **BATCHED, **TP2,
+                                          speculative_config=spec),
+                  [{"prompts": oracle_prompts, "params": params}])
+    _assert_same(_tokens(got["batches"][0]), _tokens(plain["batches"][0][:len(params)]),
+                 "TP=2 oracle")
+    c = got["counters"]
+    assert c["vllm:spec_decode_num_accepted_tokens"] > c["vllm:spec_decode_num_drafts"]
+
+
+def test_tensor_parallel_2_checkpoint_drafter(tiny, plain, oracle_prompts, tmp_path):
+    """TP = 2 with a checkpoint drafter: rank 0's drafter holds the target's full embedding
+    and lm-head (gathered from the two vocabulary shards: the same row-weighted sums as the
+    checkpoint's own tables), rank 1 holds no drafter, and greedy output is TP = 1 plain's."""
+    from safetensors.torch import load_file
+    params = _greedy(oracle_prompts)
+    got = run_job(tmp_path, engine_kwargs(tiny["target"], **TP2,
+                                          speculative_config=dartree_spec(tiny["drafter"])),
+                  [{"prompts": oracle_prompts, "params": params}],
+                  env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}, drafter_tables=True)
+    _assert_same(_tokens(got["batches"][0]), _tokens(plain["batches"][0][:len(params)]),
+                 "TP=2 checkpoint drafter")
+    leader, follower = got["drafter_tables"]
+    assert follower is None
+    weights = load_file(str(tiny["target"] / "model.safetensors"))
+    for (rows, total), name in zip(leader, ("model.embed_tokens.weight", "lm_head.weight")):
+        w = weights[name].double()
+        index = torch.arange(1, w.shape[0] + 1, dtype=torch.float64)[:, None]
+        assert rows == w.shape[0]
+        assert total == pytest.approx(float((w * index).sum()), rel=1e-9, abs=1e-6)
+
+
 BAN_PLUGIN = """
 from vllm.v1.sample.logits_processor import LogitsProcessor
 

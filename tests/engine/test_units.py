@@ -66,7 +66,8 @@ def test_engine_args_translation(tiny):
 @pytest.mark.parametrize("kwargs,message", [
     (dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
      "kv_transfer_config"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size = 2 is not supported"),
+    (dict(pipeline_parallel_size=2, distributed_executor_backend="mp"),
+     "pipeline parallelism is not supported"),
 ])
 def test_engine_args_refuse_what_corrupts_the_kv_layout(tiny, kwargs, message):
     """Refused before any engine process starts, with the reason (they once failed late

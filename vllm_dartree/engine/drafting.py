@@ -32,10 +32,31 @@ class DraftingMixin:
     def propose_draft_token_ids(self, *args, **kwargs):
         start = time.perf_counter()
         with self._dt_timed("draft"):
-            out = self._dt_propose(*args, **kwargs)
+            group = _tp_group()
+            if group is None:
+                out = self._dt_propose(*args, **kwargs)
+            else:
+                out = self._dt_share_trees(group, args, kwargs)
             self._dt_publish_state()
         if len(self._dt_clock) == 2:
             self._dt_clock[1] += time.perf_counter() - start
+        return out
+
+    def _dt_share_trees(self, group, args, kwargs) -> list[list[int]]:
+        """Tensor parallelism: rank 0 drafts (drafter context, adaptive budget, lookup and
+        faults live there only) and broadcasts the round's draft tokens and tree shapes;
+        every rank then builds the same masks from the same trees, and the tree walk, which
+        runs on every rank on the same all-gathered logits, accepts the same nodes."""
+        if group.rank_in_group == 0:
+            step = self._dt_step
+            out = self._dt_propose(*args, **kwargs)
+            names = step.req_ids if step is not None else ()
+            group.broadcast_object((out, {rid: self._dt_trees[rid] for rid in names
+                                          if rid in self._dt_trees}), src=0)
+            return out
+        self._dt_step = None
+        out, trees = group.broadcast_object(None, src=0)
+        self._dt_trees.update(trees)
         return out
 
     def _dt_propose(self, scheduler_output, sampled_token_ids, sampling_metadata,
@@ -198,6 +219,15 @@ class DraftingMixin:
         if self._dt_budget is None:
             self._dt_budget = TreeBudget(self.dartree.config.budget, drafter.num_depths)
         return self._dt_budget
+
+
+def _tp_group():
+    """vLLM's tensor-parallel group when it has more than one rank, else None."""
+    from vllm.distributed import parallel_state
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    group = parallel_state.get_tp_group()
+    return group if group.world_size > 1 else None
 
 
 def _tree_problems(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,

@@ -141,11 +141,6 @@ def _translate_engine_args(args) -> None:
             "supported: dartree writes tree nodes into its own KV layout and moves the "
             "accepted ones into chain slots, which a connector would read or save as a "
             "chain; remove --kv-transfer-config")
-    if getattr(args, "tensor_parallel_size", 1) > 1:
-        raise DartreeConfigError(
-            f"tensor_parallel_size = {args.tensor_parallel_size} is not supported yet: the "
-            "drafter needs the full (unsharded) embedding and lm-head on every rank; use "
-            "--tensor-parallel-size 1")
     from vllm.platforms import current_platform
     if current_platform.is_cpu():
         worker = CPU_WORKER

@@ -15,7 +15,48 @@ import torch
 from vllm_dartree.engine.drafters import CheckpointTreeDrafter, TreeDrafter
 from vllm_dartree.engine.settings import EngineSettings
 
-__all__ = ["DARTreeProposer", "target_weights"]
+__all__ = ["DARTreeProposer", "FollowerDrafter", "target_weights"]
+
+
+def _tp_size() -> int:
+    from vllm.distributed import parallel_state
+    if not parallel_state.model_parallel_is_initialized():   # a model built outside vLLM
+        return 1
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _is_tp_leader() -> bool:
+    """Rank 0 of the tensor-parallel group drafts; the other ranks receive its trees."""
+    if _tp_size() == 1:
+        return True
+    from vllm.distributed import get_tensor_model_parallel_rank
+    return get_tensor_model_parallel_rank() == 0
+
+
+class FollowerDrafter:
+    """What a tensor-parallel rank other than 0 holds: no drafter, no per-request context.
+    Rank 0 drafts and broadcasts each round's trees (`DraftingMixin`), so every rank builds
+    the same masks and accepts the same nodes; the others only need the drafter's shape."""
+
+    live_requests = 0
+
+    def __init__(self, layer_ids, num_depths: int):
+        self.layer_ids, self.num_depths = tuple(layer_ids), int(num_depths)
+
+    def length(self, rid) -> int:
+        return 0
+
+    def trim(self, rid, length: int) -> None:
+        pass
+
+    def free(self, rid) -> None:
+        pass
+
+    def extend(self, rids, tokens, features) -> None:
+        raise RuntimeError("a follower rank does not draft")
+
+    def draft(self, rids, roots, num_depths=None):
+        raise RuntimeError("a follower rank does not draft")
 
 
 def target_weights(target: torch.nn.Module, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,7 +71,20 @@ def target_weights(target: torch.nn.Module, vocab_size: int) -> tuple[torch.Tens
                                   "that the drafter shares with the target")
     lm_head = getattr(target, "lm_head", None)
     head = embed if lm_head is None or not hasattr(lm_head, "weight") else lm_head.weight
+    tied = head is embed
+    embed = _full_vocab(embed, vocab_size)
+    head = embed if tied else _full_vocab(head, vocab_size)
     return embed[:vocab_size], head[:vocab_size]
+
+
+def _full_vocab(weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Under tensor parallelism each rank holds a contiguous shard of the padded vocabulary
+    rows (vLLM's VocabParallelEmbedding / ParallelLMHead): gather them (a collective, so
+    every rank calls it). Unsharded: the weight itself."""
+    if _tp_size() == 1 or weight.shape[0] >= vocab_size:   # the same answer on every rank
+        return weight
+    from vllm.distributed import tensor_model_parallel_all_gather
+    return tensor_model_parallel_all_gather(weight.contiguous(), dim=0)
 
 
 class DARTreeProposer:
@@ -42,7 +96,7 @@ class DARTreeProposer:
     def load_model(self, target: torch.nn.Module) -> None:
         text = self.vllm_config.model_config.hf_text_config
         settings = self.settings
-        if settings.drafter_class is not None:
+        if settings.drafter_class is not None:   # built on every rank; rank 0 drafts
             module, _, name = settings.drafter_class.rpartition(".")
             factory = getattr(importlib.import_module(module), name)
             self.tree_drafter = factory(settings.config, settings.drafter, text.vocab_size)
@@ -50,7 +104,13 @@ class DARTreeProposer:
         from vllm_dartree.drafter import TargetInfo, load_drafter
         info = TargetInfo(hidden_size=text.hidden_size, vocab_size=text.vocab_size,
                           num_hidden_layers=text.num_hidden_layers)
-        embed, head = target_weights(target, text.vocab_size)
+        embed, head = target_weights(target, text.vocab_size)   # every rank: a collective
+        if not _is_tp_leader():
+            from vllm_dartree.drafter.checkpoint import check_drafter_folder
+            spec = check_drafter_folder(settings.drafter, info)
+            self.tree_drafter = FollowerDrafter(spec.target_layer_ids,
+                                                settings.config.num_depths(spec.num_depths))
+            return
         drafter = load_drafter(settings.drafter, info, embed, head,
                                dtype=self.vllm_config.model_config.dtype)
         self.tree_drafter = CheckpointTreeDrafter(

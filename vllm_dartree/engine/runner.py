@@ -39,7 +39,7 @@ import numpy as np
 
 from vllm_dartree.engine.compaction import CompactionMixin
 from vllm_dartree.engine.controller import TreeBudget
-from vllm_dartree.engine.drafting import DraftingMixin
+from vllm_dartree.engine.drafting import DraftingMixin, _tp_group
 from vllm_dartree.engine.live_state import StatePublisher, state_path
 from vllm_dartree.engine.lookup_branches import LookupBranches
 from vllm_dartree.engine.settings import EngineSettings
@@ -73,7 +73,11 @@ class DARTreeRunnerMixin(TreeSamplerMixin, CompactionMixin, DraftingMixin):
         self._dt_publisher = StatePublisher(state_path(vllm_config))
 
     def _dt_publish_state(self) -> None:
-        """The per-request state this worker holds, for /metrics (`engine.live_state`)."""
+        """The per-request state this worker holds, for /metrics (`engine.live_state`); under
+        tensor parallelism rank 0's, which holds the drafter state (the others hold none)."""
+        group = _tp_group()
+        if group is not None and group.rank_in_group != 0:
+            return
         drafter = getattr(self.drafter, "tree_drafter", None)
         self._dt_publisher.publish({
             "drafter_contexts": int(getattr(drafter, "live_requests", 0) or 0),
