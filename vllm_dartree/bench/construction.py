@@ -24,7 +24,7 @@ from vllm_dartree import DARTreeConfig
 from vllm_dartree.drafter import DominoGRUHead
 from vllm_dartree.tree import build_tree
 
-__all__ = ["main", "run"]
+__all__ = ["main", "parser", "run"]
 
 METHODS = {
     "dartree-pruned": DARTreeConfig(),
@@ -88,7 +88,7 @@ def _table(results: dict[str, dict[int, float]], batches: list[int]) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=15)
@@ -103,7 +103,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="compute embed @ W_ih per GRU step instead of the [V, 3G] table "
                              "(the released code's fast path, used by every method)")
     parser.add_argument("--json", help="also write the medians (ms) to this file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
           f"H {args.hidden} G {args.gru} E {args.emb} V {args.vocab} D {args.depths}, "
           f"K 64 W 12 B 64 beta -0.2, GRU input table {'on' if args.input_table else 'off'}",
