@@ -57,6 +57,10 @@ def main() -> None:
         elif wanted and hasattr(metric, "values"):
             counters[metric.name] = list(metric.values)
     result["counters"] = counters
+    # An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) steps only while requests are
+    # unfinished, so the worker hears of the last finished ones at the next step: run it
+    # (the engine process of the default mode does so by itself), then read the state.
+    llm.llm_engine.step()
     spec = job["engine"].get("speculative_config") or {}
     if spec.get("method") == "dartree":   # the adaptive budget's counters ({} when off)
         result["budget"] = llm.collective_rpc("dartree_budget")[0]

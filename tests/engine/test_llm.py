@@ -123,18 +123,36 @@ def test_dartree_greedy_equals_plain_batched(plain, dartree8):
     assert counters.get("vllm:num_preemptions", 0) > 0, "the KV budget did not force preemption"
 
 
-def test_dartree_greedy_equals_plain_one_seq_and_matches_reference(tiny, plain, prompts,
-                                                                   tmp_path):
-    """max_num_seqs 1, and the reference decoder's outputs and per-round accepted lengths."""
-    subset = prompts
-    # the reference decoder's trees: fixed budget, no lookup branches (the paper's method)
-    engine = engine_kwargs(tiny["target"], max_num_seqs=1,
+def _one_seq_subset(prompts):
+    """Nine short prompts and the 300-token one."""
+    return prompts[:9] + prompts[-1:]
+
+
+@pytest.fixture(scope="module")
+def one_seq(tiny, prompts, tmp_path_factory):
+    """max_num_seqs 1, the fixed budget without lookup (the reference decoder's trees), and
+    no chunking (the seeded batch's unchunked run)."""
+    subset = _one_seq_subset(prompts)
+    engine = engine_kwargs(tiny["target"], max_num_seqs=1, max_num_batched_tokens=2048,
                            speculative_config=dartree_spec(tiny["drafter"], adaptive=False,
                                                            lookup=False),
                            per_request_spec_decode_metrics="detailed")
-    got = run_job(tmp_path, engine, [{"prompts": subset, "params": _greedy(subset)}])
-    batch = got["batches"][0]
-    _assert_same(_tokens(batch), _tokens(plain["batches"][0]), "dartree, 1 seq")
+    return run_job(tmp_path_factory.mktemp("one-seq"), engine,
+                   [{"prompts": subset, "params": [_greedy(prompts)[i] for i in
+                                                   list(range(9)) + [len(prompts) - 1]]},
+                    _seeded_long_batch(prompts)])
+
+
+def test_dartree_greedy_equals_plain_one_seq_and_matches_reference(tiny, plain, prompts,
+                                                                   one_seq):
+    """max_num_seqs 1: plain decoding's tokens, and the reference decoder's outputs and
+    per-round accepted lengths."""
+    subset = _one_seq_subset(prompts)
+    params_all = _greedy(prompts)
+    params = [params_all[i] for i in list(range(9)) + [len(prompts) - 1]]
+    batch = one_seq["batches"][0]
+    want = plain["batches"][0]
+    _assert_same(_tokens(batch), _tokens(want[:9] + want[-1:]), "dartree, 1 seq")
 
     from transformers import AutoModelForCausalLM
 
@@ -148,7 +166,7 @@ def test_dartree_greedy_equals_plain_one_seq_and_matches_reference(tiny, plain, 
                            dtype=torch.float32)
     decoder = ReferenceDecoder(target, DrafterSession(drafter), DARTreeConfig(**TREE))
     eos = (cfg.eos_token_id,)
-    for prompt, params, res in zip(subset, _greedy(subset), batch):
+    for prompt, params, res in zip(subset, params, batch):
         ref = decoder.__class__(target, DrafterSession(drafter), decoder.config).generate(
             prompt, SamplingParams(max_new_tokens=params["max_tokens"], eos_token_ids=eos))
         assert res["tokens"] == ref.output_tokens
@@ -170,8 +188,12 @@ def test_baseline_builders_equal_plain(tiny, plain, prompts, builder, budget, dr
                                      draft_vocab=draft_vocab)
     spec = dartree_spec(drafter, builder=builder, budget=budget)
     engine = engine_kwargs(tiny["target"], **BATCHED, speculative_config=spec)
-    got = run_job(tmp_path, engine, [{"prompts": prompts, "params": _greedy(prompts)}])
-    _assert_same(_tokens(got["batches"][0]), _tokens(plain["batches"][0]), builder)
+    subset = prompts[:15] + prompts[-1:]     # 16 requests for 8 slots; the chunked prompt
+    params = _greedy(prompts)
+    params = params[:15] + params[-1:]
+    got = run_job(tmp_path, engine, [{"prompts": subset, "params": params}])
+    want = plain["batches"][0]
+    _assert_same(_tokens(got["batches"][0]), _tokens(want[:15] + want[-1:]), builder)
     assert got["counters"]["vllm:spec_decode_num_drafts"] > 0
 
 
@@ -244,26 +266,32 @@ def test_full_sampler_requests_fall_back_alone(tiny, plain, oracle_prompts, tmp_
                 f"greedy request {i} lost its trees to its neighbours"
 
 
-@pytest.mark.parametrize("options,tree", [
-    # 3 siblings, the right one anywhere, chains cut at random depths, the fixed budget
-    (dict(siblings=3, shuffle=1, random_depth=True), dict(adaptive=False)),
+TP2 = dict(tensor_parallel_size=2, distributed_executor_backend="mp")
+
+
+@pytest.mark.parametrize("options,tree,parallel", [
+    # 3 siblings, the right one anywhere, chains cut at random depths, the fixed budget, on
+    # two tensor-parallel ranks (rank 0 drafts and broadcasts its trees; both ranks mask
+    # and compact the same nodes of their KV-head shards)
+    (dict(siblings=3, shuffle=1, random_depth=True), dict(adaptive=False), TP2),
     # 4 siblings x 8 depths = 32 nodes cut at a budget of 12, under the adaptive budget
-    (dict(siblings=4, shuffle=2), dict(budget=12)),
-])
+    (dict(siblings=4, shuffle=2), dict(budget=12), {}),
+], ids=["3-siblings-random-depth-tp2", "4-siblings-cut-at-12"])
 def test_shuffled_oracle_trees_are_accepted_and_exact(tiny, plain, oracle_prompts, options,
-                                                      tree, tmp_path):
+                                                      tree, parallel, tmp_path):
     """Oracle trees of other shapes (the right child at a random sibling position, random
     depth cut-offs, wide trees cut by the budget and by the scheduler's token budget, with
-    chunked prefill and preemption): drafts are accepted (vLLM's counters) and the output
-    is plain decoding's."""
+    chunked prefill and preemption, one case at tensor_parallel_size = 2): drafts are
+    accepted (vLLM's counters) and the output is (TP = 1) plain decoding's."""
     spec = dartree_spec(_oracle_file(tmp_path / "oracle.json", plain, oracle_prompts,
                                      **options),
                         drafter_class=ORACLE, **{"budget": 2 * ORACLE_DEPTH, **tree})
     params = _greedy(oracle_prompts)
-    got = run_job(tmp_path, engine_kwargs(tiny["target"], **BATCHED, speculative_config=spec),
+    got = run_job(tmp_path, engine_kwargs(tiny["target"], **BATCHED, **parallel,
+                                          speculative_config=spec),
                   [{"prompts": oracle_prompts, "params": params}])
     _assert_same(_tokens(got["batches"][0]), _tokens(plain["batches"][0][:len(params)]),
-                 f"oracle {options}")
+                 f"oracle {options} {parallel}")
     c = got["counters"]
     assert c["vllm:spec_decode_num_accepted_tokens"] > c["vllm:spec_decode_num_drafts"], \
         "fewer than one accepted token per round: the shapes were not exercised"
@@ -290,27 +318,6 @@ def test_drafter_faults_cost_one_tree_not_the_engine(tiny, plain, oracle_prompts
     assert got["budget"]["invalid_trees"] > 0
     healthy = [r for r in batch[len(kinds):] if len(r["tokens"]) > 2]
     assert healthy and all(r["spec"]["num_accepted_draft_tokens"] > 0 for r in healthy)
-
-
-TP2 = dict(tensor_parallel_size=2, distributed_executor_backend="mp")
-
-
-def test_tensor_parallel_2_is_exact_and_accepts(tiny, plain, oracle_prompts, tmp_path):
-    """tensor_parallel_size = 2 (vLLM's multiprocess executor, one thread per rank on this
-    CPU, chunked prefill and preemption): rank 0 drafts and broadcasts each round's trees,
-    so both ranks mask and compact the same nodes of their KV-head shards. Shuffled oracle
-    trees are accepted, and the output is TP = 1 plain decoding's."""
-    spec = dartree_spec(_oracle_file(tmp_path / "oracle.json", plain, oracle_prompts,
-                                     siblings=3, shuffle=11, random_depth=True),
-                        drafter_class=ORACLE, budget=2 * ORACLE_DEPTH)
-    params = _greedy(oracle_prompts)
-    got = run_job(tmp_path, engine_kwargs(tiny["target"], **BATCHED, **TP2,
-                                          speculative_config=spec),
-                  [{"prompts": oracle_prompts, "params": params}])
-    _assert_same(_tokens(got["batches"][0]), _tokens(plain["batches"][0][:len(params)]),
-                 "TP=2 oracle")
-    c = got["counters"]
-    assert c["vllm:spec_decode_num_accepted_tokens"] > c["vllm:spec_decode_num_drafts"]
 
 
 def test_tensor_parallel_2_checkpoint_drafter(tiny, plain, oracle_prompts, tmp_path):
@@ -370,27 +377,39 @@ def test_logits_processor_plugins_apply_as_in_plain_decoding(tiny, plain, prompt
     (info / "entry_points.txt").write_text("[vllm.logits_processors]\nban = ban_token:BanToken\n")
     env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
     batch = [{"prompts": subset, "params": params}]
-    (tmp_path / "plain").mkdir()
-    want = run_job(tmp_path / "plain", engine_kwargs(tiny["target"]), batch, env=env)
     got = run_job(tmp_path, engine_kwargs(tiny["target"],
                                           speculative_config=dartree_spec(tiny["drafter"])),
                   batch, env=env)
-    want, got = _tokens(want["batches"][0]), _tokens(got["batches"][0])
+    # plain greedy decoding with the token banned, in transformers (the tiny target's
+    # greedy paths are vLLM's: see the reference-decoder test above)
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    class Ban:
+        def __call__(self, input_ids, scores):
+            scores[:, banned] = float("-inf")
+            return scores
+
+    model = AutoModelForCausalLM.from_pretrained(tiny["target"], dtype=torch.float32).eval()
+    want = []
+    for prompt, sp in zip(subset, params):
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=sp["max_tokens"],
+                             do_sample=False, logits_processor=LogitsProcessorList([Ban()]),
+                             eos_token_id=model.config.eos_token_id, pad_token_id=0)
+        want.append(out[0, len(prompt):].tolist())
+    got = _tokens(got["batches"][0])
     assert want != _tokens(plain["batches"][0][:6]), "the plugin did not act"
     assert all(banned not in t for t in want)
     _assert_same(got, want, "logits processor plugin")
 
 
-def test_seeded_requests_survive_chunked_prefill(tiny, prompts, dartree8, tmp_path):
+def test_seeded_requests_survive_chunked_prefill(prompts, dartree8, one_seq):
     """A seeded request whose prompt is chunked samples (and discards) a token per partial
     chunk; vLLM rewinds its generator with `set_offset`, which CPU generators lack (stock
     vLLM on CPU dies: "CPU Generator does not use offset"). The plugin restores the
-    generator's state instead: the engine lives, and the tokens equal an unchunked run's."""
-    unchunked = run_job(tmp_path, engine_kwargs(
-        tiny["target"], max_num_seqs=8, max_num_batched_tokens=2048,
-        speculative_config=dartree_spec(tiny["drafter"])), [_seeded_long_batch(prompts)])
+    generator's state instead: the engine lives, and the tokens equal an unchunked run's
+    (seeded draws depend on the seed and position only, not on the tree or the batch)."""
     assert len(prompts[-1]) > BATCHED["max_num_batched_tokens"]
-    assert _tokens(dartree8["batches"][4]) == _tokens(unchunked["batches"][0])
+    assert _tokens(dartree8["batches"][4]) == _tokens(one_seq["batches"][1])
 
 
 def test_seeded_sampling_is_reproducible(plain, dartree8):

@@ -41,7 +41,7 @@ CURVE_METHODS = (("dflash", "DFlash chain"), ("ddtree", "DDTree"), ("domino", "D
                  ("dartree-fixed", "DARTree fixed"), ("dartree-pruned", "DARTree pruned"))
 SWEEPS = {   # parameter -> (values, the default it is swept from)
     "width": ((4, 8, 12, 16), 12),
-    "depth_bonus": ((0.0, -0.1, -0.2, -0.3, -0.5), -0.2),
+    "depth_bonus": ((0.0, -0.1, -0.2, -0.5), -0.2),
     "topk": ((16, 64, 256, 512), 64),
     "budget": ((8, 16, 32, 64, 128), 64),
 }
@@ -237,7 +237,7 @@ def _reference_parts(args, store: Store, data: dict, target_dir, drafter_dir, pr
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_dartree.prompts import chat_prompt_ids
-    from vllm_dartree.reference.decoder import eos_token_ids, load_drafter_for
+    from vllm_dartree.reference.decoder import eos_token_ids, load_drafter_for, method_config
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -245,9 +245,14 @@ def _reference_parts(args, store: Store, data: dict, target_dir, drafter_dir, pr
     eos = eos_token_ids(target, tokenizer)
     ids = [p if isinstance(p, list) else chat_prompt_ids(tokenizer, p) for p in prompts]
     common = dict(budget=8, width=4, topk=16) if args.quick else {}
-    run = lambda name, method, **over: store.get(   # noqa: E731
-        name, lambda: asdict(measure(target, drafter, ids, method, {**common, **over},
-                                     args.max_new_tokens, eos, name)))
+
+    def run(name, method, **over):
+        """A run by its configuration: a sweep point at the defaults is the method's run."""
+        config = method_config(method, **{**common, **over})
+        key = f"{method} {config.model_dump_json()}"
+        return store.get(key, lambda: asdict(measure(target, drafter, ids, method,
+                                                     {**common, **over},
+                                                     args.max_new_tokens, eos, name)))
     where = (f"{what}; reference decoder (batch 1), greedy, {args.max_new_tokens} new tokens, "
              f"float32, this machine.")
     if "acceptance" in args.parts:
