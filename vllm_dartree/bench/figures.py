@@ -305,12 +305,11 @@ def _construction_part(args, store: Store, data: dict) -> None:
 def _throughput_part(args, data: dict, target: str, drafter: str, what: str) -> None:
     from vllm_dartree.bench import serve
     workdir = args.workdir / "serve"
-    levels = "1,2,4,8,16"
-    methods = "plain,ngram,dartree,dartree-fixed"
+    levels, methods = args.serve_concurrency, args.serve_methods
     out = workdir / "results.json"
     code = serve.main(["--target", target, "--drafter", drafter, "--methods", methods,
                        "--concurrency", levels, "--datasets", args.datasets,
-                       "--per-dataset", str(args.per_dataset), "--max-tokens",
+                       "--per-dataset", str(args.serve_per_dataset), "--max-tokens",
                        str(args.max_new_tokens), "--workdir", str(workdir), "--out", str(out)])
     if code:
         raise RuntimeError("bench.serve failed")
@@ -320,11 +319,15 @@ def _throughput_part(args, data: dict, target: str, drafter: str, what: str) -> 
                                                       "spec_decode_acceptance_length")}
                           for k, r in results.items()}
     draw_throughput(data["throughput"], args.out / "throughput.png",
-                    f"Output tokens/s in vLLM against requests in flight: {what}, "
+                    f"Output tokens/s in vLLM against requests in flight: "
+                    f"{Path(target).name} + {Path(drafter).name}, "
+                    f"{len(args.datasets.split(',')) * args.serve_per_dataset} prompts "
+                    f"({args.datasets}), "
                     f"{args.max_new_tokens} tokens, greedy, every request sent at once; "
                     f"methods: {methods} (dartree-fixed: 64 nodes every round). Command: "
                     f"python -m vllm_dartree.bench.serve --smollm2 --methods {methods} "
-                    f"--concurrency {levels} --max-tokens {args.max_new_tokens}")
+                    f"--concurrency {levels} --per-dataset {args.serve_per_dataset} "
+                    f"--max-tokens {args.max_new_tokens}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,6 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--datasets", default="gsm8k,humaneval,mt-bench")
     parser.add_argument("--per-dataset", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--serve-methods", default="plain,ngram,dartree,dartree-fixed",
+                        help="throughput: bench.serve methods")
+    parser.add_argument("--serve-concurrency", default="1,2,4,8,16",
+                        help="throughput: requests in flight")
+    parser.add_argument("--serve-per-dataset", type=int, default=6,
+                        help="throughput: prompts per dataset")
     parser.add_argument("--out", type=Path, default=Path("docs/figures"))
     parser.add_argument("--workdir", type=Path)
     args = parser.parse_args(argv)
