@@ -194,3 +194,45 @@ def test_lookup_nodes_alone_are_verified_without_a_drafter_pass():
     s = budget.stats
     assert s["lookup_nodes"] == 240 and s["lookup_accepted"] == 240
     assert s["lookup_offered"] == 2 and s["lookup_offered_planned"] == 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), r=st.integers(1, 6))
+def test_batched_curves_equal_each_request_predicted_alone(seed, r):
+    """`_curves` predicts every request's tree in one pass per calibrator; each row equals
+    the request's tree predicted alone (its own correction, its nodes best-first by p, ties
+    by depth, lookup nodes needing no drafter depth)."""
+    from vllm_dartree.engine.controller import _curve
+    from vllm_dartree.tree.lookup import BOTH, DRAFTER, LOOKUP
+    gen = np.random.default_rng(seed)
+    budget = TreeBudget(max_nodes=8, max_depth=6)
+    rids = [f"r{i}" for i in range(r)]
+    greedy = gen.random(r) < 0.6
+
+    def tree(m):
+        return (np.sort(gen.uniform(-6, 0, m))[::-1], gen.integers(1, 7, m),
+                gen.choice([DRAFTER, LOOKUP, BOTH], m))
+    for i, rid in enumerate(rids):
+        if gen.random() < 0.8:      # some requests have a last tree, the rest use the pool
+            scores, depths, sources = tree(int(gen.integers(1, 10)))
+            budget._profiles[rid] = budget._pool[bool(greedy[i])] = (scores, depths, sources)
+            for _ in range(int(gen.integers(0, 4))):
+                budget.observe_walk(rid, bool(greedy[i]), scores, depths,
+                                    gen.choice(len(scores), min(len(scores),
+                                                                int(gen.integers(0, 3))),
+                                               replace=False), sources)
+    lookup = [None if gen.random() < 0.5 else
+              (gen.uniform(-3, 0, k), np.arange(1, k + 1)) for k in gen.integers(1, 5, r)]
+    gains, depths, unknown = budget._curves(rids, list(greedy), lookup)
+    for i, rid in enumerate(rids):
+        nodes = budget._profile_nodes(rid, bool(greedy[i]), lookup[i])
+        assert unknown[i] == (nodes is None)
+        if nodes is None:
+            assert not gains[i].any()
+            continue
+        scores, d, sources = nodes
+        p = budget.predict(rid, bool(greedy[i]), scores, d, sources)
+        order = np.lexsort((d, -p))
+        want_g, want_d = _curve(p[order], np.where(sources[order] == LOOKUP, 0, d[order]), 8)
+        np.testing.assert_allclose(gains[i], want_g, rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(depths[i], want_d)

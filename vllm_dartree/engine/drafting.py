@@ -1,7 +1,8 @@
 """`DraftingMixin`: the runner's drafting stage (stage 6 of a round) and the budget's cut.
 
 The target's aux hidden states of every committed row (prompt chunks, root, accepted nodes)
-extend each request's drafter context; the adaptive budget (`engine.controller`) says who
+extend each request's drafter context (lazily: only before the request drafts, or once 32
+rows wait, `engine.lazy_context`); the adaptive budget (`engine.controller`) says who
 drafts and how deep (nobody: a plain step, no drafter pass); one batched draft builds the
 trees; each is cut to the prefix its nodes earn; their tokens go to the scheduler, their
 shape stays in `_dt_trees` until the scheduler hands the prefix back. With `lookup` on,
@@ -19,6 +20,7 @@ import torch
 import numpy as np
 
 from vllm_dartree.engine.controller import TreeBudget
+from vllm_dartree.engine.lazy_context import LazyContext
 from vllm_dartree.engine.tree_inputs import StoredTree
 
 __all__ = ["DraftingMixin"]
@@ -68,9 +70,9 @@ class DraftingMixin:
         if step is None or aux_hidden_states is None:
             return out
         drafter = self._dt_drafter
+        context = self._dt_context_for(drafter)
         features = torch.cat(list(aux_hidden_states), dim=-1)
         accepted = step.accepted or [[] for _ in step.req_ids]
-        ext_ids, ext_tokens, ext_feats = [], [], []
         draft_rows, roots = [], []
         token_ids = self.input_batch.token_ids_cpu
         for i, rid in enumerate(step.req_ids):
@@ -78,9 +80,9 @@ class DraftingMixin:
             committed_rows = int(step.rows[i]) - len(step.drafts[i])
             rows = list(range(start, start + committed_rows))
             rows += [start + committed_rows + node for node in accepted[i]]
-            have = drafter.length(rid)
+            have = context.length(rid)
             if have > p0:                       # re-prefill after preemption: rewind
-                drafter.trim(rid, p0)
+                context.trim(rid, p0)
             elif have < p0 and rid not in self._dt_broken:
                 # context the drafter never saw (e.g. a prefix-cache hit): plain decoding
                 self._dt_broken.add(rid)
@@ -90,15 +92,13 @@ class DraftingMixin:
                 continue
             if self._dt_lookup is not None:
                 self._dt_lookup.sync(rid, token_ids[i], p0, len(rows))
-            ext_ids.append(rid)
-            ext_tokens.append(token_ids[i, p0:p0 + len(rows)].tolist())
-            ext_feats.append(features[torch.tensor(rows, device=features.device)])
+            context.add(rid, token_ids[i, p0:p0 + len(rows)].tolist(),
+                        features[torch.tensor(rows, device=features.device)])
             sampled = sampled_token_ids[i] if i < len(sampled_token_ids) else []
             if sampled and not self._dt_needs_full(rid):   # vLLM's sampler: no tree
                 draft_rows.append(i)
                 roots.append(int(sampled[-1]))
-        if ext_ids:
-            drafter.extend(ext_ids, ext_tokens, ext_feats)
+        context.flush()                         # requests with max_pending rows waiting
         if not draft_rows:
             return out
         rids = [step.req_ids[i] for i in draft_rows]
@@ -122,6 +122,7 @@ class DraftingMixin:
             tokens = parents = depths = torch.zeros(len(rids), 0, dtype=torch.int64)
             scores = np.zeros((len(rids), 0))
         else:
+            context.flush(rids)                 # the drafter sees every committed row
             start = time.perf_counter()
             trees = self._dt_safe_draft(drafter, rids, roots, features.device,
                                         None if plan is None else plan.depth)
@@ -211,6 +212,12 @@ class DraftingMixin:
             return lambda scores, depths, sources: np.exp(scores)
         return lambda scores, depths, sources: budget.predict(rid, greedy, scores, depths,
                                                               sources)
+
+    def _dt_context_for(self, drafter) -> LazyContext:
+        """The drafter's context, extended lazily (`engine.lazy_context`)."""
+        if self._dt_context is None or self._dt_context.drafter is not drafter:
+            self._dt_context = LazyContext(drafter)
+        return self._dt_context
 
     def _dt_budget_for(self, drafter) -> TreeBudget | None:
         """The adaptive budget (None with `adaptive: false`), made once the drafter is known."""

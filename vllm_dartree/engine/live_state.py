@@ -7,7 +7,8 @@ small JSON file (atomically, whenever a count changes) named after the engine's
 scrape. Gauges:
 
 - `vllm:dartree_live_request_state{kind=...}`: requests with drafter context
-  (`drafter_contexts`), proposed trees waiting for the scheduler (`stored_trees`), adaptive
+  (`drafter_contexts`), committed rows waiting to extend it (`pending_contexts`,
+  `engine.lazy_context`), proposed trees waiting for the scheduler (`stored_trees`), adaptive
   budget profiles and calibration corrections (`budget_requests`), lookup indices
   (`lookup_requests`), requests decoding without drafter context (`no_context_requests`).
   All 0 once every request has finished: anything else is a leak.
@@ -27,8 +28,8 @@ from pathlib import Path
 __all__ = ["LIVE_KINDS", "FAULT_KINDS", "state_path", "StatePublisher", "read_state",
            "register_collector"]
 
-LIVE_KINDS = ("drafter_contexts", "stored_trees", "budget_requests", "lookup_requests",
-              "no_context_requests")
+LIVE_KINDS = ("drafter_contexts", "pending_contexts", "stored_trees", "budget_requests",
+              "lookup_requests", "no_context_requests")
 FAULT_KINDS = ("draft_errors", "invalid_trees")
 _REGISTERED: set[str] = set()
 

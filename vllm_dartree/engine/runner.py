@@ -60,6 +60,7 @@ class DARTreeRunnerMixin(TreeSamplerMixin, CompactionMixin, DraftingMixin):
         self._dt_trees: dict[str, StoredTree] = {}
         self._dt_step: StepTrees | None = None
         self._dt_broken: set[str] = set()
+        self._dt_context = None                       # LazyContext, made with the drafter
         self.use_aux_hidden_state_outputs = True
         self.dartree_seconds: dict[str, float] = defaultdict(float)
         self._dt_budget: TreeBudget | None = None     # created with the drafter (adaptive)
@@ -82,6 +83,7 @@ class DARTreeRunnerMixin(TreeSamplerMixin, CompactionMixin, DraftingMixin):
         self._dt_publisher.publish({
             "drafter_contexts": int(getattr(drafter, "live_requests", 0) or 0),
             "stored_trees": len(self._dt_trees),
+            "pending_contexts": 0 if self._dt_context is None else len(self._dt_context),
             "budget_requests": 0 if self._dt_budget is None else self._dt_budget.live_requests,
             "lookup_requests": 0 if self._dt_lookup is None else len(self._dt_lookup),
             "no_context_requests": len(self._dt_broken), **self._dt_faults})
@@ -170,6 +172,8 @@ class DARTreeRunnerMixin(TreeSamplerMixin, CompactionMixin, DraftingMixin):
             self._dt_trees.pop(rid, None)
             self.__dict__.get("_dt_full_cache", {}).pop(rid, None)
             self._dt_broken.discard(rid)
+            if self._dt_context is not None and rid in scheduler_output.finished_req_ids:
+                self._dt_context.free(rid)
             if self._dt_lookup is not None:
                 self._dt_lookup.free(rid)
             if drafter is not None and rid in scheduler_output.finished_req_ids:
