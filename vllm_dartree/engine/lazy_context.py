@@ -26,8 +26,8 @@ class LazyContext:
     def __init__(self, drafter, max_pending: int = 32):
         self.drafter = drafter
         self.max_pending = max_pending
-        # rid -> ([token lists], [feature tensors [T, F]], rows waiting)
-        self._pending: dict[Hashable, tuple[list[list[int]], list[torch.Tensor], int]] = {}
+        # rid -> (tokens waiting, their feature tensors [T_k, F] in order)
+        self._pending: dict[Hashable, tuple[list[int], list[torch.Tensor]]] = {}
 
     def __len__(self) -> int:
         """Requests with rows waiting."""
@@ -35,7 +35,7 @@ class LazyContext:
 
     def waiting(self, rid: Hashable) -> int:
         entry = self._pending.get(rid)
-        return 0 if entry is None else entry[2]
+        return 0 if entry is None else len(entry[0])
 
     def length(self, rid: Hashable) -> int:
         """Context rows of `rid`: the drafter's and those waiting."""
@@ -52,34 +52,29 @@ class LazyContext:
         if keep > self.waiting(rid):
             raise ValueError(f"cannot trim request {rid!r} to {length} rows "
                              f"(it has {self.length(rid)})")
-        tokens, feats, _ = self._pending[rid]
-        flat = [t for chunk in tokens for t in chunk][:keep]
-        self._pending[rid] = ([flat], [torch.cat(feats)[:keep]], keep)
+        tokens, feats = self._pending[rid]
+        self._pending[rid] = (tokens[:keep], [torch.cat(feats)[:keep]])
 
     def add(self, rid: Hashable, tokens: list[int], features: torch.Tensor) -> None:
         """Rows committed this step (features: [T, F], a tensor of its own)."""
         if not tokens:
             return
-        entry = self._pending.get(rid)
-        if entry is None:
-            self._pending[rid] = ([tokens], [features], len(tokens))
-        else:
-            entry[0].append(tokens)
-            entry[1].append(features)
-            self._pending[rid] = (entry[0], entry[1], entry[2] + len(tokens))
+        waiting, feats = self._pending.setdefault(rid, ([], []))
+        waiting.extend(tokens)
+        feats.append(features)
 
     def flush(self, rids: Iterable[Hashable] | None = None) -> None:
         """Extend the drafter with the rows waiting for `rids` (None: the requests holding
         `max_pending` rows or more), in one batched call."""
         if rids is None:
-            rids = [r for r, (_, _, n) in self._pending.items() if n >= self.max_pending]
+            rids = [r for r, (tokens, _) in self._pending.items()
+                    if len(tokens) >= self.max_pending]
         batch = [(r, self._pending.pop(r)) for r in rids if r in self._pending]
         if not batch:
             return
-        self.drafter.extend([r for r, _ in batch],
-                            [[t for chunk in tokens for t in chunk] for _, (tokens, _, _) in batch],
+        self.drafter.extend([r for r, _ in batch], [tokens for _, (tokens, _) in batch],
                             [feats[0] if len(feats) == 1 else torch.cat(feats)
-                             for _, (_, feats, _) in batch])
+                             for _, (_, feats) in batch])
 
     def free(self, rid: Hashable) -> None:
         """Drop what waits for `rid` (the drafter's own state is freed by the runner)."""
