@@ -32,7 +32,9 @@ def test_plan_equals_brute_force(seed, r, b):
     gains, depths = _curves(gen, r, b)
     costs = BatchCosts(step=gen.uniform(0.01, 0.1), row=gen.uniform(0.0005, 0.02),
                        tree_step=gen.uniform(0, 0.03), per_request=gen.uniform(0, 0.01),
-                       per_depth=gen.uniform(0, 0.01))
+                       per_depth=gen.uniform(0, 0.01), draft=gen.uniform(0, 0.05))
+    if gen.uniform() < 0.5:      # some requests' first nodes are lookup nodes (depth 0)
+        depths[:, 1:] -= np.minimum(depths[:, 1:], gen.integers(0, b + 1, (r, 1)))
     best = max(throughput(gains, depths, np.array(n), costs)
                for n in itertools.product(range(b + 1), repeat=r))
     plan = plan_budgets(gains, depths, costs)
@@ -53,6 +55,21 @@ def test_plain_when_drafts_do_not_pay_and_trees_when_they_do():
                        per_depth=0.001)
     plan = plan_budgets(gains, depths, cheap)
     assert plan.nodes.tolist() == [3] and plan.depth == 2
+
+
+def test_lookup_only_steps_do_not_pay_for_the_drafter():
+    """Lookup nodes need no drafter depth: a step verifying only them pays the rows and the
+    tree step (masks, walk), not the drafter's round, so it pays where a drafted tree of the
+    same gain would not."""
+    costs = BatchCosts(step=0.08, row=0.003, tree_step=0.01, per_request=0.01,
+                       per_depth=0.002, draft=0.15)
+    gains = np.array([[0.0, 0.6, 1.1, 1.4]])
+    lookup = plan_budgets(gains, np.array([[0, 0, 0, 0]]), costs)
+    assert lookup.nodes.tolist() == [3] and lookup.depth == 0
+    # 1 + 1.4 tokens in 0.08 + 0.003 * 4 + 0.01 s
+    assert lookup.rate == pytest.approx(2.4 / 0.102)
+    drafted = plan_budgets(gains, np.array([[0, 1, 2, 3]]), costs)
+    assert not drafted.nodes.any()          # + 0.15 + 0.01 + 0.006: 2.4 / 0.268 < 1 / 0.083
 
 
 def test_cut_keeps_nodes_that_earn_their_rows():

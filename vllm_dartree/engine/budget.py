@@ -4,10 +4,13 @@ For a batch of R decoding requests, request i verifying the first n_i nodes of i
 best-first tree expects `gain_i(n_i)` accepted tokens (the sum of its nodes' calibrated
 acceptance, `engine.calibration`) and the step costs (`engine.costs`, measured online)
 
-    T(n) = a + b * (R + sum n_i) + [any n_i > 0] * (f + c + sum_{n_i > 0} (d + e * depth))
+    T(n) = a + b * (R + sum n_i) + [any n_i > 0] * f
+           + [depth > 0] * (c + sum_{n_i > 0} (d + e * depth))
 
 where `depth` is the number of drafter depths computed (the deepest prefix chosen, the same
-for the whole batched draft). The controller maximises the batch's tokens per second
+for the whole batched draft; 0 when every chosen node is a lookup node: the step verifies
+trees, paying f for the masks, the walk and the compaction, but runs no drafter, so c and d
+are not paid). The controller maximises the batch's tokens per second
 
     Theta(n) = (R + sum_i gain_i(n_i)) / T(n),
 
@@ -33,9 +36,10 @@ class BatchCosts:
     """The cost model's coefficients (seconds), read from `StepCosts` once per step."""
     step: float          # a: a plain step
     row: float           # b: one verified row
-    tree_step: float     # f + c: a step that verifies trees and runs the drafter
+    tree_step: float     # f: a step that verifies trees (masks, walk, compaction)
     per_request: float   # d: one drafted request
     per_depth: float     # e: one drafted request, one depth
+    draft: float = 0.0   # c: a step that runs the drafter (depth > 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +61,10 @@ def throughput(gains: np.ndarray, depths: np.ndarray, nodes: np.ndarray,
     if drafted.any():
         if depth is None:
             depth = int(depths[idx, nodes].max())
-        seconds += costs.tree_step + drafted.sum() * (costs.per_request + costs.per_depth * depth)
+        seconds += costs.tree_step
+        if depth > 0:
+            seconds += costs.draft + drafted.sum() * (costs.per_request
+                                                      + costs.per_depth * depth)
     return float(tokens / seconds)
 
 
@@ -65,12 +72,14 @@ def _best_for_depth(gains, depths, depth: int, costs: BatchCosts, lam: float) ->
     """argmax_n R + G(n) - lam * T(n) with every prefix depth <= depth (costed at depth)."""
     b = gains.shape[1] - 1
     n = np.arange(b + 1)
-    cost = costs.row * n + np.where(n > 0, costs.per_request + costs.per_depth * depth, 0.0)
+    per_request = costs.per_request + costs.per_depth * depth if depth > 0 else 0.0
+    fixed = costs.tree_step + (costs.draft if depth > 0 else 0.0)
+    cost = costs.row * n + np.where(n > 0, per_request, 0.0)
     value = gains - lam * cost[None, :]
     value = np.where(depths <= depth, value, -np.inf)
     value[:, 0] = 0.0
     best = value.argmax(axis=1)
-    if value[np.arange(len(best)), best].sum() <= lam * costs.tree_step:
+    if value[np.arange(len(best)), best].sum() <= lam * fixed:
         return np.zeros_like(best)          # the step's fixed tree costs are not earned
     return best
 

@@ -93,7 +93,7 @@ class TreeBudget:
     def batch_costs(self) -> BatchCosts:
         a, b, f = self.costs.target_theta
         c, d, e = self.costs.draft_theta
-        return BatchCosts(step=a, row=b, tree_step=f + c, per_request=d, per_depth=e)
+        return BatchCosts(step=a, row=b, tree_step=f, per_request=d, per_depth=e, draft=c)
 
     def predict(self, rid, greedy: bool, scores: np.ndarray, depths: np.ndarray,
                 sources: np.ndarray | None = None) -> np.ndarray:
@@ -150,7 +150,7 @@ class TreeBudget:
         others = max(num_running - len(rids), 0)
         costs = BatchCosts(step=costs.step + costs.row * others, row=costs.row,
                            tree_step=costs.tree_step, per_request=costs.per_request,
-                           per_depth=costs.per_depth)
+                           per_depth=costs.per_depth, draft=costs.draft)
         return plan_budgets(gains, depths, costs), unknown
 
     def _curves(self, rids, greedy, lookup=None):
