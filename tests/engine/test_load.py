@@ -19,4 +19,8 @@ def test_load_waves_leave_no_state_and_match_plain(tiny, tmp_path):
     for wave in report["waves"]:
         assert wave["status"] == {"200": 36, "400": 4}
         assert wave["dropped"] == 7 and wave["greedy_checked"] == 18
-        assert wave["live_state_peak"]["drafter_contexts"] > 0
+        # every request holds lookup state while it runs; the drafter's context may stay
+        # pending if the adaptive budget skips the drafter for the whole wave
+        assert wave["live_state_peak"]["lookup_requests"] > 0
+        assert (wave["live_state_peak"]["drafter_contexts"]
+                + wave["live_state_peak"]["pending_contexts"]) > 0

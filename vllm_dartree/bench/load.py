@@ -380,9 +380,11 @@ def main(argv: list[str] | None = None) -> int:
             not (w1["bad_400"] or w2["bad_400"]),
         "greedy completions identical to the plain server's":
             not (w1["greedy_mismatches"] or w2["greedy_mismatches"]),
+        # The adaptive budget may skip the drafter for a whole wave (its contexts then stay
+        # pending), so "seen above 0" asks that some per-request gauge moved, not a given one.
         "per-request state back to 0 after each wave (and seen above 0 during it)":
             all(w["live_state"] and not any(w["live_state"].values())
-                and w["live_state_peak"].get("drafter_contexts", 0) > 0 for w in (w1, w2)),
+                and any(v > 0 for v in w["live_state_peak"].values()) for w in (w1, w2)),
         "memory growth between waves < 5%": growth < 0.05,
     }
     report["memory_growth"] = growth
