@@ -25,7 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_bench import EngineSession, budget_line, run_interleaved  # noqa: E402
+from engine_bench import (  # noqa: E402
+    KV_CACHE_BYTES,
+    EngineSession,
+    budget_line,
+    run_interleaved,
+)
 
 
 def main() -> None:
@@ -57,8 +62,11 @@ def main() -> None:
                  for p in load_prompts(name, args.per_dataset)]
     prompts = [chat_prompt_ids(tokenizer, q.prompt) for q in questions]
     levels = [int(c) for c in args.concurrency.split(",")]
+    # prefix caching off for every engine, as in engine_bench (the plugin turns it off; the
+    # others would skip the prefill of prompts they have seen at an earlier level)
     engine = dict(model=str(target), dtype="float32", enforce_eager=True, max_model_len=1024,
-                  gpu_memory_utilization=0.15, max_num_seqs=max(levels), seed=0,
+                  enable_prefix_caching=False,
+                  kv_cache_memory_bytes=KV_CACHE_BYTES, max_num_seqs=max(levels), seed=0,
                   disable_log_stats=False,
                   max_num_batched_tokens=max(2048, max(levels) * (args.budget + 1)))
     tree = {"method": "dartree", "model": str(drafter), "budget": args.budget}

@@ -163,7 +163,11 @@ class Server:
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                 "--enforce-eager", "--max-model-len", str(max_model_len),
                 "--gpu-memory-utilization", "0.2", "--max-num-seqs", str(concurrency),
-                "--seed", "0", *(extra or [])]
+                "--seed", "0", "--no-enable-prefix-caching", *(extra or [])]
+        # prefix caching off for every server: the plugin turns it off for dartree, and a
+        # plain or ngram server that kept it would skip the prefill of every prompt it has
+        # seen before (benchmarks send the same prompts at each level), not a like-for-like
+        # comparison of decoding
         if spec is not None:
             args += ["--speculative-config", json.dumps(spec)]
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", HF_HUB_OFFLINE="1",
