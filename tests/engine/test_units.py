@@ -148,16 +148,17 @@ def test_tree_attention_equals_paged_reference(group, chunk, attention_path):
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), requests=st.integers(1, 5), group=st.sampled_from([1, 3]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
-def test_cpu_kernel_equals_the_sdpa_path(seed, requests, group, dtype):
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), d=st.sampled_from([16, 64]))
+def test_cpu_kernel_equals_the_sdpa_path(seed, requests, group, dtype, d):
     """The compiled kernel against the SDPA path on random batches: decode rows, causal
-    chunks and trees of random shapes, random paged tables, GQA groups, fp32 and bf16."""
+    chunks and trees of random shapes, random paged tables, GQA groups, fp32 and bf16, a
+    head size with the kernel's compile-time path (64) and one without (16)."""
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler: the kernel cannot be built here")
     module = cpu_kernel.load()
     assert module is not None
     gen = torch.Generator().manual_seed(seed)
-    kvh, d, bs = 2, 16, 8
+    kvh, bs = 2, 8
     nh = kvh * group
     q_lens = [int(torch.randint(1, 12, (1,), generator=gen)) for _ in range(requests)]
     seq_lens = [q + int(torch.randint(0, 30, (1,), generator=gen)) for q in q_lens]

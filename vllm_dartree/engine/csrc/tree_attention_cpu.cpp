@@ -17,8 +17,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -37,10 +39,13 @@ inline void load_row(const T* src, float* dst, int64_t n) {
 // Eight independent partial sums: the compiler keeps them in one vector register (a plain
 // reduction loop stays scalar without -ffast-math, which we do not want: -inf must hold).
 inline float dot(const float* a, const float* b, int64_t n) {
-  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float part[32] = {};
   int64_t d = 0;
+  for (; d + 32 <= n; d += 32)
+    for (int k = 0; k < 32; ++k) part[k] += a[d + k] * b[d + k];
   for (; d + 8 <= n; d += 8)
     for (int k = 0; k < 8; ++k) part[k] += a[d + k] * b[d + k];
+  for (int k = 0; k < 8; ++k) part[k] += (part[k + 8] + part[k + 16]) + part[k + 24];
   float s = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
   for (; d < n; ++d) s += a[d] * b[d];
   return s;
@@ -55,12 +60,65 @@ inline const float* as_float(const T* src, float* buf, int64_t n) {
 template <>
 inline const float* as_float<float>(const float* src, float*, int64_t) { return src; }
 
+// exp(x) for a tile of scores, vectorised (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a
+// degree-6 polynomial for e^r, 2^n from the exponent bits; within 2 ulp of std::exp): the
+// scalar std::exp had been most of a decode row's time. Masked scores (-inf) and anything
+// below -87.3 give exactly 0, so a column a row does not see never weighs in.
+inline float exp_tile(float* s, int64_t n, float m) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    const float x = s[t] - m;
+    const float xc = std::min(std::max(x, -87.3f), 88.3f);
+    const float k = std::nearbyint(xc * 1.44269504088896341f);
+    float r = xc - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    const float e = x < -87.3f ? 0.f : p * scale;
+    s[t] = e;
+    sum += e;
+  }
+  return sum;
+}
+
 inline void axpy(float p, const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t d = 0; d < n; ++d) y[d] += p * x[d];
 }
 
-template <typename T>
+// acc[D] += sum_t p[t] * v[t][D]. With the head size known at compile time (DC > 0) the
+// accumulator stays in registers across the tile (DC / 8 independent vector FMAs per
+// position) instead of a load and a store per position through memory.
+template <int DC>
+inline void accumulate(const float* p, const float* const* v, int64_t n, float* acc,
+                       int64_t D) {
+  if constexpr (DC > 0) {
+    float a[DC];
+    for (int d = 0; d < DC; ++d) a[d] = acc[d];
+    for (int64_t t = 0; t < n; ++t) {
+      const float pt = p[t];
+      if (pt == 0.f) continue;
+      const float* vt = v[t];
+#pragma omp simd
+      for (int d = 0; d < DC; ++d) a[d] += pt * vt[d];
+    }
+    for (int d = 0; d < DC; ++d) acc[d] = a[d];
+  } else {
+    for (int64_t t = 0; t < n; ++t)
+      if (p[t] != 0.f) axpy(p[t], v[t], acc, D);
+  }
+}
+
+template <typename T, int DC>
 void run(const torch::Tensor& query, const torch::Tensor& kv_cache,
          const torch::Tensor& block_table, const torch::Tensor& qsl,
          const torch::Tensor& seq_lens, const torch::Tensor& requests,
@@ -98,7 +156,12 @@ void run(const torch::Tensor& query, const torch::Tensor& kv_cache,
   }
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, scores, acc, kbuf(D), vbuf(D);
+    // K and V rows of a tile as floats: pointers into the cache for float storage, else
+    // converted once per tile into kbuf / vbuf
+    std::vector<float> qf, scores, acc, kbuf(kTile * D), vbuf(kTile * D), run_max, denom;
+    const T* tile[kTile];
+    const float* kf[kTile];
+    const float* vf[kTile];
     for (int64_t it = begin; it < end; ++it) {
       const Item& w = items[it];
       const int64_t r = w.r, start = starts[r], q_len = starts[r + 1] - start;
@@ -110,7 +173,8 @@ void run(const torch::Tensor& query, const torch::Tensor& kv_cache,
       qf.assign(rows * D, 0.f);
       scores.assign(rows * kTile, -INFINITY);
       acc.assign(rows * D, 0.f);
-      std::vector<float> run_max(rows, -INFINITY), denom(rows, 0.f);
+      run_max.assign(rows, -INFINITY);
+      denom.assign(rows, 0.f);
       for (int64_t i = w.i0; i < w.i1; ++i)
         for (int64_t g = 0; g < G; ++g) {
           float* dst = &qf[((i - w.i0) * G + g) * D];
@@ -118,10 +182,6 @@ void run(const torch::Tensor& query, const torch::Tensor& kv_cache,
           for (int64_t d = 0; d < D; ++d) dst[d] *= fscale;
         }
       const int32_t* row_blocks = bt + r * bt_s;
-      auto slot = [&](int64_t j) {
-        return kv + static_cast<int64_t>(row_blocks[j / BS]) * kv_sb + w.kvh * kv_sh +
-               (j % BS) * kv_so;
-      };
       auto sees = [&](int64_t i, int64_t j) {   // window column k = j - ctx
         const int64_t k = j - ctx;
         if (!tree) return k <= i;
@@ -132,9 +192,21 @@ void run(const torch::Tensor& query, const torch::Tensor& kv_cache,
       for (int64_t j0 = 0; j0 < limit; j0 += kTile) {
         const int64_t n = std::min(kTile, limit - j0);
         std::fill(scores.begin(), scores.end(), -INFINITY);
+        {   // the tile's slots, found once for K and V (one division per tile)
+          int64_t b = j0 / BS, off = j0 % BS;
+          for (int64_t t = 0; t < n; ++t) {
+            tile[t] = kv + static_cast<int64_t>(row_blocks[b]) * kv_sb + w.kvh * kv_sh +
+                      off * kv_so;
+            if (++off == BS) off = 0, ++b;
+          }
+          for (int64_t t = 0; t < n; ++t) {
+            kf[t] = as_float(tile[t], &kbuf[t * D], D);
+            vf[t] = as_float(tile[t] + D, &vbuf[t * D], D);
+          }
+        }
         for (int64_t t = 0; t < n; ++t) {
           const int64_t j = j0 + t;
-          const float* k = as_float(slot(j), kbuf.data(), D);
+          const float* k = kf[t];
           for (int64_t i = w.i0; i < w.i1; ++i) {
             if (j >= ctx && !sees(i, j)) continue;
             for (int64_t g = 0; g < G; ++g) {
@@ -154,18 +226,10 @@ void run(const torch::Tensor& query, const torch::Tensor& kv_cache,
             for (int64_t d = 0; d < D; ++d) acc[row * D + d] *= c;
             run_max[row] = m;
           }
-          for (int64_t t = 0; t < n; ++t) {
-            sr[t] = std::exp(sr[t] - m);          // exp(-inf) = 0 for unseen columns
-            denom[row] += sr[t];
-          }
+          denom[row] += exp_tile(sr, n, m);       // 0 for unseen columns
         }
-        for (int64_t t = 0; t < n; ++t) {
-          const float* v = as_float(slot(j0 + t) + D, vbuf.data(), D);
-          for (int64_t row = 0; row < rows; ++row) {
-            const float p = scores[row * kTile + t];
-            if (p != 0.f) axpy(p, v, &acc[row * D], D);
-          }
-        }
+        for (int64_t row = 0; row < rows; ++row)
+          accumulate<DC>(&scores[row * kTile], vf, n, &acc[row * D], D);
       }
       for (int64_t i = w.i0; i < w.i1; ++i)
         for (int64_t g = 0; g < G; ++g) {
@@ -208,8 +272,15 @@ void tree_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor b
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16,
                                   query.scalar_type(), "dartree_tree_attention", [&] {
-    run<scalar_t>(query, kv_cache, block_table, query_start_loc, seq_lens, requests, is_tree,
-                  tree_mask, scale, row_chunk, out);
+    const int64_t D = query.size(2);
+    auto go = [&](auto dc) {
+      run<scalar_t, decltype(dc)::value>(query, kv_cache, block_table, query_start_loc,
+                                         seq_lens, requests, is_tree, tree_mask, scale,
+                                         row_chunk, out);
+    };
+    if (D == 64) go(std::integral_constant<int, 64>{});
+    else if (D == 128) go(std::integral_constant<int, 128>{});
+    else go(std::integral_constant<int, 0>{});
   });
 }
 
