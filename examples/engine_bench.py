@@ -87,7 +87,7 @@ def _counters(llm) -> dict:
 def _budget_delta(llm, before: dict) -> dict:
     """The adaptive budget's counters over one level (costs as fitted at its end)."""
     after = llm.collective_rpc("dartree_budget")[0]
-    return {k: v - before.get(k, 0) if k in before and not k.startswith("cost") else v
+    return {k: v - before.get(k, 0) if k in before and not k.startswith(("cost", "shrink")) else v
             for k, v in after.items()}
 
 

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from vllm_dartree.engine.budget import BatchCosts, cut, plan_budgets, throughput
 from vllm_dartree.engine.calibration import AcceptanceCalibrator, isotonic_increasing
-from vllm_dartree.engine.controller import TreeBudget
+from vllm_dartree.engine.controller import BIAS_DECAY, TreeBudget
 from vllm_dartree.engine.costs import DecayedLeastSquares, StepCosts
+from vllm_dartree.tree.lookup import DRAFTER
 
 
 def _curves(gen, r, b):
@@ -253,3 +254,41 @@ def test_batched_curves_equal_each_request_predicted_alone(seed, r):
         want_g, want_d = _curve(p[order], np.where(sources[order] == LOOKUP, 0, d[order]), 8)
         np.testing.assert_allclose(gains[i], want_g, rtol=1e-12, atol=1e-12)
         np.testing.assert_array_equal(depths[i], want_d)
+
+
+def test_selection_bias_shrinks_predictions_and_never_inflates_them():
+    """Trees whose calibrated prediction exceeds what the walk accepts: every later
+    prediction of that class is scaled by the decayed observed / predicted ratio of the
+    verified trees (clamped to [1/4, 1]); the other class is untouched; a drafter doing
+    better than predicted is not inflated; the predicted accepted in the counters is what
+    the plan used."""
+    budget = TreeBudget(max_nodes=6, max_depth=6)
+    scores, depths = np.full(4, -0.05), np.arange(1, 5)
+    cal = budget.calibrators[True, DRAFTER]
+    assert budget.shrink(True) == 1.0
+    raw = cal.predict(scores, depths)
+    assert np.allclose(budget.predict("a", True, scores, depths), raw)
+    expected_obs = expected_pred = 0.0
+    for _ in range(5):
+        pred = float(cal.predict(scores, depths, "a").sum())
+        budget.observe_walk("a", True, scores, depths, [0])      # 1 accepted of ~3.8
+        expected_obs = BIAS_DECAY * expected_obs + 1.0
+        expected_pred = BIAS_DECAY * expected_pred + pred
+    factor = budget.shrink(True)
+    assert factor == pytest.approx(max((expected_obs + 1) / (expected_pred + 1), 0.25))
+    assert factor < 0.8      # the bins learn too, so the first trees carry the bias
+    assert np.allclose(budget.predict("a", True, scores, depths),
+                       cal.predict(scores, depths, "a") * factor)
+    budget._profiles["a"] = (scores, depths, None)
+    gains, _ = budget._curves(["a"], [True])[:2]
+    assert gains[0, 4] == pytest.approx(float(np.sort(cal.predict(scores, depths, "a"))[::-1]
+                                              .cumsum()[-1]) * factor)
+    assert budget.shrink(False) == 1.0
+    other = TreeBudget(max_nodes=6, max_depth=6)
+    for _ in range(5):                                           # better than predicted
+        other.observe_walk("b", True, np.full(4, -6.0), depths, [0, 1, 2, 3])
+    assert other.shrink(True) == 1.0
+    first = budget.stats["predicted_accepted"]
+    before = budget.predict("a", True, scores, depths).sum()
+    budget.observe_walk("a", True, scores, depths, [0])
+    assert budget.stats["predicted_accepted"] - first == pytest.approx(before)
