@@ -122,8 +122,10 @@ class DraftingMixin:
             tokens = parents = depths = torch.zeros(len(rids), 0, dtype=torch.int64)
             scores = np.zeros((len(rids), 0))
         else:
-            context.flush(rids)                 # the drafter sees every committed row
+            # the drafter's round, as the budget's cost model sees it: extending the drafting
+            # requests' contexts with the rows waiting since their last draft, then drafting
             start = time.perf_counter()
+            context.flush(rids)                 # the drafter sees every committed row
             trees = self._dt_safe_draft(drafter, rids, roots, features.device,
                                         None if plan is None else plan.depth)
             counts, tokens, parents, depths, scores = trees
