@@ -36,8 +36,9 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
 }
 
-// Eight independent partial sums: the compiler keeps them in one vector register (a plain
-// reduction loop stays scalar without -ffast-math, which we do not want: -inf must hold).
+// Partial sums in 32 lanes (four vector registers, four independent FMA chains: one chain's
+// latency had bounded a decode row), folded to 8 and summed; a plain reduction loop stays
+// scalar without -ffast-math, which we do not want (-inf must hold).
 inline float dot(const float* a, const float* b, int64_t n) {
   float part[32] = {};
   int64_t d = 0;
@@ -61,8 +62,8 @@ template <>
 inline const float* as_float<float>(const float* src, float*, int64_t) { return src; }
 
 // exp(x) for a tile of scores, vectorised (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a
-// degree-6 polynomial for e^r, 2^n from the exponent bits; within 2 ulp of std::exp): the
-// scalar std::exp had been most of a decode row's time. Masked scores (-inf) and anything
+// degree-6 polynomial for e^r, 2^n from the exponent bits; within 2 ulp of std::exp), in
+// place of a scalar std::exp per score. Masked scores (-inf) and anything
 // below -87.3 give exactly 0, so a column a row does not see never weighs in.
 inline float exp_tile(float* s, int64_t n, float m) {
   float sum = 0.f;
@@ -97,7 +98,8 @@ inline void axpy(float p, const float* x, float* y, int64_t n) {
 
 // acc[D] += sum_t p[t] * v[t][D]. With the head size known at compile time (DC > 0) the
 // accumulator stays in registers across the tile (DC / 8 independent vector FMAs per
-// position) instead of a load and a store per position through memory.
+// position) instead of a load and a store per position through memory: about 8% of a
+// decode call here (interleaved A/B, 16 rows x 300 positions, 0.49 against 0.53 ms).
 template <int DC>
 inline void accumulate(const float* p, const float* const* v, int64_t n, float* acc,
                        int64_t D) {
