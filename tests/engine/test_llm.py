@@ -17,6 +17,10 @@ from vllm_dartree.config import DARTreeConfig
 # 8 running requests (preemption), the same for the plain engine and the speculative ones.
 BATCHED = dict(max_num_seqs=8, max_num_batched_tokens=160, block_size=32,
                num_gpu_blocks_override=24)
+# the adaptive budget's drafts depend on measured step times, so dartree8's preemption must
+# not: 17 blocks x 32 slots (the least vLLM accepts for max_model_len 512) hold the
+# 300-token request and too little beside it
+DARTREE8_KV = dict(num_gpu_blocks_override=17)
 ORACLE_DEPTH = 8
 SAMPLED = dict(temperature=0.8, top_p=0.95, max_tokens=3, ignore_eos=True)
 NUM_SAMPLES = 400
@@ -108,7 +112,9 @@ def plain(tiny, prompts, oracle_prompts, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dartree8(tiny, prompts, tmp_path_factory):
-    engine = engine_kwargs(tiny["target"], **BATCHED,
+    """The defaults (adaptive budget, lookup) under BATCHED, with a KV cache small enough
+    that the prompts alone force preemption however few nodes the budget drafts."""
+    engine = engine_kwargs(tiny["target"], **{**BATCHED, **DARTREE8_KV},
                            speculative_config=dartree_spec(tiny["drafter"]))
     sampled = _sampled_batch()
     return run_job(tmp_path_factory.mktemp("dartree8"), engine,

@@ -10,12 +10,14 @@ from hypothesis import strategies as st
 
 from tests.engine.conftest import dartree_spec
 from vllm_dartree.attention import PagedBatch, paged_attention_reference
+from vllm_dartree.engine import attention as token_layout
 from vllm_dartree.engine import cpu_attention, cpu_kernel
 from vllm_dartree.engine.cpu_attention import (
     DARTreeCPUAttentionImpl,
     DARTreeCPUMetadata,
     copy_slots,
     kv_views,
+    vec_views,
     write_slots,
 )
 from vllm_dartree.engine.metrics import DARTreeStatLogger, TreeStats
@@ -103,7 +105,7 @@ def _random_tree(n, gen):
 @pytest.fixture(params=["sdpa", "kernel"])
 def attention_path(request, monkeypatch):
     """The CPU backend's torch (SDPA) path, or the compiled kernel for every request it can
-    take (rows <= 80 instead of the default 4, so trees go through it too)."""
+    take (rows <= 80 instead of the defaults, so trees go through it too)."""
     if request.param == "sdpa":
         monkeypatch.setattr(cpu_kernel, "load", lambda: None)
     else:
@@ -111,17 +113,40 @@ def attention_path(request, monkeypatch):
             pytest.skip("no C++ compiler: the kernel cannot be built here")
         assert cpu_kernel.load() is not None, "a compiler is here, yet the kernel did not build"
         monkeypatch.setattr(cpu_attention, "KERNEL_MAX_ROWS", 80)
+        monkeypatch.setattr(cpu_attention, "VEC_KERNEL_MAX_ROWS", 80)
     return request.param
+
+
+@pytest.fixture(params=["token", "vec"])
+def kv_layout(request, monkeypatch):
+    """The CPU backend's two KV layouts (`cpu_attention.kv_layout`): vec, vLLM's own (its
+    kernel attends the requests without a tree), where this machine's vLLM build has it."""
+    monkeypatch.setenv(cpu_attention.LAYOUT_ENV, request.param)
+    if request.param == "vec" and cpu_attention.kv_layout(torch.zeros(1, 1, 32, 64)) != "vec":
+        pytest.skip("vLLM's vec CPU attention is not available on this machine")
+    return request.param
+
+
+def _paged_kv(k_rows: torch.Tensor, v_rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """A KV tensor in the current layout holding K/V rows [slots, KVH, D] at slots 0.."""
+    n, kvh, d = k_rows.shape
+    kv = torch.zeros(n // block_size, kvh, block_size, 2 * d, dtype=k_rows.dtype)
+    cpu_attention.write_slots(kv, k_rows, v_rows, torch.arange(n))
+    return kv
 
 
 @pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("chunk", [20, 90])   # a prompt chunk in the padded batch or alone
-def test_tree_attention_equals_paged_reference(group, chunk, attention_path):
-    """Mixed batch (decode row, prefill chunk, tree) over a paged cache, GQA or not."""
+def test_tree_attention_equals_paged_reference(group, chunk, attention_path, kv_layout):
+    """Mixed batch (decode row, prefill chunk, tree) over a paged cache, GQA or not, either
+    KV layout (on vec, the decode row and the chunk go to vLLM's own kernel)."""
     gen = torch.Generator().manual_seed(0)
     kvh, d, bs, nb = 2, 32, 32, 12
     nh = kvh * group
-    kv = torch.randn(nb, kvh, bs, 2 * d, generator=gen)
+    token_kv = torch.randn(nb, kvh, bs, 2 * d, generator=gen)
+    k_cache, v_cache = kv_views(token_kv, d)
+    kv = _paged_kv(k_cache.reshape(-1, kvh, d), v_cache.reshape(-1, kvh, d), bs)
+    assert cpu_attention.kv_layout(kv) == kv_layout
     q_lens, seq_lens = [1, chunk, 9], [40, 95, 50]
     parents = _random_tree(8, gen)
     mask = ancestor_mask(parents[None])[0]                                 # [9, 9]
@@ -139,7 +164,6 @@ def test_tree_attention_equals_paged_reference(group, chunk, attention_path):
     impl = DARTreeCPUAttentionImpl(nh, d, 0.3, kvh, None, None, "auto")
     out = torch.zeros(t, nh * d)
     impl.forward(None, q.reshape(t, -1), None, None, kv, md, out)
-    k_cache, v_cache = kv_views(kv, d)
     batch = PagedBatch(qsl.long(), torch.tensor(seq_lens), table.long(),
                        torch.tensor([False, False, True]), bits)
     want = paged_attention_reference(q, k_cache.contiguous(), v_cache.contiguous(), batch, 0.3)
@@ -188,10 +212,66 @@ def test_cpu_kernel_equals_the_sdpa_path(seed, requests, group, dtype, d):
         if use:   # every request through the kernel
             module.tree_attention(q, kv, table, qsl, md.seq_lens,
                                   torch.arange(requests, dtype=torch.int64),
-                                  torch.tensor(trees, dtype=torch.uint8), bits, 0.25, 4, out)
+                                  torch.tensor(trees, dtype=torch.uint8), bits, 0.25, 4, False,
+                                  out)
         else:
             cpu_attention.tree_attention(q, kv, md, 0.25, out, kernel=False)
         outs.append(out.float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), requests=st.integers(1, 5),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), d=st.sampled_from([32, 64]),
+       kernel=st.sampled_from([None, False]))
+def test_vec_layout_equals_the_token_layout(seed, requests, dtype, d, kernel):
+    """The same K/V written in both CPU layouts, the same random batch (decode rows, causal
+    chunks across blocks, trees of up to 40 rows, GQA): on vec, vLLM's kernel takes the
+    requests without a tree and dartree's kernel (or, kernel=False, SDPA over the gathered
+    blocks) the trees; the result equals the token layout's SDPA path."""
+    gen = torch.Generator().manual_seed(seed)
+    vec_kv = torch.zeros(1, 1, 32, 2 * d, dtype=dtype)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(cpu_attention.LAYOUT_ENV, "vec")
+        if cpu_attention.kv_layout(vec_kv) != "vec":
+            pytest.skip("vLLM's vec CPU attention is not available on this machine")
+    if kernel is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: the kernel cannot be built here")
+    kvh, group, bs = 2, 3, 32
+    q_lens = [int(torch.randint(1, 41 if torch.rand(1, generator=gen) < 0.3 else 10, (1,),
+                                generator=gen)) for _ in range(requests)]
+    seq_lens = [q + int(torch.randint(0, 100, (1,), generator=gen)) for q in q_lens]
+    trees = [bool(torch.rand(1, generator=gen) < 0.5) for _ in range(requests)]
+    per = -(-max(seq_lens) // bs)
+    nb = requests * per + 2
+    table = torch.randperm(nb, generator=gen)[:requests * per].reshape(requests, per).int()
+    qmax = max(q_lens)
+    bits = torch.zeros(requests, qmax, -(-qmax // 32), dtype=torch.int32)
+    for r, q in enumerate(q_lens):
+        if trees[r]:
+            bits[r, :q] = mask_to_bitmask(ancestor_mask(_random_tree(q - 1, gen)[None])
+                                          if q > 1 else torch.ones(1, 1, 1, dtype=torch.bool))[0]
+    k_rows = torch.randn(nb * bs, kvh, d, generator=gen).to(dtype)
+    v_rows = torch.randn(nb * bs, kvh, d, generator=gen).to(dtype)
+    t = sum(q_lens)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(t, kvh * group, d, generator=gen).to(dtype)
+    outs = []
+    for layout in ("token", "vec"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(cpu_attention.LAYOUT_ENV, layout)
+            kv = _paged_kv(k_rows, v_rows, bs)
+            md = DARTreeCPUMetadata(num_actual_tokens=t, max_query_len=qmax,
+                                    query_start_loc=qsl, max_seq_len=max(seq_lens),
+                                    seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                                    block_table=table,
+                                    slot_mapping=torch.zeros(t, dtype=torch.long))
+            md.attach_trees(trees if any(trees) else None, bits if any(trees) else None)
+            out = torch.full((t, kvh * group, d), float("nan"), dtype=dtype)
+            cpu_attention.tree_attention(q, kv, md, 0.2, out,
+                                         kernel=False if layout == "token" else kernel)
+            outs.append(out.float())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
@@ -211,27 +291,41 @@ def test_cpu_kernel_writes_slots_like_torch():
         value = fused[:, 16:32].view(7, 2, 8)
         slots = torch.tensor([3, -1, 0, 23, 9, -1, 14])
         want = kv.clone()
-        write_slots(want, key, value, slots)
+        token_layout.write_slots(want, key, value, slots)
         module.write_slots(kv, key, value, slots)
         assert torch.equal(kv, want)
 
 
-def test_kv_write_and_compaction():
+def _read_slot(kv: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [KVH, D] of one slot, read the way the tensor's layout stores them."""
+    bs, d = kv.shape[2], kv.shape[3] // 2
+    if cpu_attention.kv_layout(kv) == "vec":
+        k_t, v = vec_views(kv)
+        return k_t[slot // bs, :, :, slot % bs], v[slot // bs, :, slot % bs]
+    k_cache, v_cache = kv_views(kv, d)
+    return k_cache[slot // bs, slot % bs], v_cache[slot // bs, slot % bs]
+
+
+def test_kv_write_and_compaction(kv_layout):
     kvh, d, bs, nb = 2, 32, 32, 4
     kv = torch.zeros(nb, kvh, bs, 2 * d)
     impl = DARTreeCPUAttentionImpl(4, d, 1.0, kvh, None, None, "auto")
     key, value = torch.randn(5, kvh * d), torch.randn(5, kvh * d)
     slots = torch.tensor([3, 40, 41, -1, 127])
     impl.do_kv_cache_update(None, key, value, kv, slots)
-    k_cache, v_cache = kv_views(kv, d)
+    assert int((kv != 0).sum()) == 4 * kvh * 2 * d          # the padding row wrote nothing
     for row, slot in enumerate(slots.tolist()):
         if slot >= 0:
-            assert torch.equal(k_cache[slot // bs, slot % bs], key[row].view(kvh, d))
-            assert torch.equal(v_cache[slot // bs, slot % bs], value[row].view(kvh, d))
+            k, v = _read_slot(kv, slot)
+            assert torch.equal(k, key[row].view(kvh, d))
+            assert torch.equal(v, value[row].view(kvh, d))
     before = kv.clone()
     copy_slots(kv, torch.tensor([41, 127]), torch.tensor([40, 41]))   # overlapping move
-    assert torch.equal(kv[1, :, 8], before[1, :, 9])
-    assert torch.equal(kv[1, :, 9], before[3, :, 31])
+    assert all(torch.equal(a, b) for a, b in zip(_read_slot(kv, 40), _read_slot(before, 41)))
+    assert all(torch.equal(a, b) for a, b in zip(_read_slot(kv, 41), _read_slot(before, 127)))
+    for slot in (3, 127):                                          # the others untouched
+        assert all(torch.equal(a, b) for a, b in zip(_read_slot(kv, slot),
+                                                       _read_slot(before, slot)))
 
 
 @pytest.mark.parametrize("kwargs, message", [

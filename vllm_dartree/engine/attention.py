@@ -2,12 +2,12 @@
 KV writes and KV compaction in torch, and the features both refuse at start-up.
 
 vLLM 0.32 hands every backend its per-layer KV tensor in the logical shape
-`[num_blocks, num_kv_heads, block_size, 2 * head_size]`. Both dartree backends read it the
-same way (`kv_views`): K is `[..., :head_size]`, V is `[..., head_size:]`, and the views are
+`[num_blocks, num_kv_heads, block_size, 2 * head_size]`. The token-major reading of it
+(`kv_views`): K is `[..., :head_size]`, V is `[..., head_size:]`, and the views are
 `[num_blocks, block_size, num_kv_heads, head_size]`, the layout of
-`vllm_dartree.attention.PagedBatch` and of the Triton kernel. So the CPU backend
-(`cpu_attention`, SDPA) and the GPU backend (`gpu_attention`, Triton) agree on every slot,
-and KV compaction (`copy_slots`) is the same device copy on both.
+`vllm_dartree.attention.PagedBatch` and of the Triton kernel. The GPU backend
+(`gpu_attention`) always uses it; the CPU backend (`cpu_attention`) uses it where vLLM's
+own CPU layout (`cpu_attention.kv_layout`) is not available, and wraps these helpers.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """`CompactionMixin`: KV compaction (stage 5 of a round).
 
 The accepted nodes' K/V move into chain slots p0+1..p0+L before the scheduler, which
-assumes a chain, sees the result (`vllm_dartree.engine.attention.copy_slots`, the same
-device copy for the CPU and GPU layouts).
+assumes a chain, sees the result: `vllm_dartree.engine.attention.copy_slots` on the GPU's
+token-major layout, `vllm_dartree.engine.cpu_attention.copy_slots` on the CPU's (either
+layout, `cpu_attention.kv_layout`).
 """
 
 from __future__ import annotations
@@ -36,10 +37,14 @@ class CompactionMixin:
             self._dt_copy_slots(src_slots, dst_slots)
 
     def _dt_copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        from vllm_dartree.engine.attention import copy_slots
+        from vllm_dartree.engine import attention
         seen = set()
         for kv in self.kv_caches:
             if kv is None or kv.data_ptr() in seen:
                 continue
             seen.add(kv.data_ptr())
+            if kv.device.type == "cpu":
+                from vllm_dartree.engine.cpu_attention import copy_slots
+            else:
+                copy_slots = attention.copy_slots
             copy_slots(kv, src_slots.to(kv.device), dst_slots.to(kv.device))

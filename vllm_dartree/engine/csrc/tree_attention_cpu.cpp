@@ -7,8 +7,13 @@
 // causal triangle or (is_tree[r]) its row of the packed ancestor mask
 // (bit k % 32 of word k / 32 of tree_mask[r, i] = row i sees window column k).
 //
-// KV layout: kv_cache [num_blocks, num_kv_heads, block_size, 2 * head_size], K in the first
-// head_size lanes of a slot, V in the rest (`engine.attention.kv_views`).
+// KV layouts of kv_cache [num_blocks, num_kv_heads, block_size, 2 * head_size]:
+//  - token (vec = false): K in the first head_size lanes of a slot, V in the rest
+//    (`engine.attention.kv_views`);
+//  - vec (vec = true): vLLM's own CPU layout for its `vec` ISA: per block and KV head, K
+//    transposed ([head_size, block_size]: K(t, d) at d * block_size + t) followed by V
+//    token-major ([block_size, head_size]). Scores then come from contiguous runs of
+//    positions (one vector FMA per 8 positions and lane of the head), no horizontal sums.
 //
 // One work item = (request, KV head, chunk of rows); the G = num_heads / num_kv_heads query
 // heads of a KV head share each K/V row it loads. Softmax is computed online over tiles of
@@ -50,6 +55,39 @@ inline float dot(const float* a, const float* b, int64_t n) {
   float s = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
   for (; d < n; ++d) s += a[d] * b[d];
   return s;
+}
+
+// s[t] = q . K(t) for the kTile positions of a tile of transposed K (K(t, d) at
+// k[d * ldk + t]): per lane d of the head one broadcast and kTile / 8 vector FMAs, the
+// partial scores held in registers.
+inline void score_tile(const float* q, const float* k, int64_t ldk, int64_t D, float* s) {
+  float acc[kTile] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const float qd = q[d];
+    const float* kd = k + d * ldk;
+#pragma omp simd
+    for (int64_t t = 0; t < kTile; ++t) acc[t] += qd * kd[t];
+  }
+  for (int64_t t = 0; t < kTile; ++t) s[t] = acc[t];
+}
+
+// score_tile for three query rows at once: each K vector loaded serves three FMAs (12
+// accumulator registers on AVX2).
+inline void score_tile3(const float* q0, const float* q1, const float* q2, const float* k,
+                        int64_t ldk, int64_t D, float* s0, float* s1, float* s2) {
+  float a0[kTile] = {}, a1[kTile] = {}, a2[kTile] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const float x0 = q0[d], x1 = q1[d], x2 = q2[d];
+    const float* kd = k + d * ldk;
+#pragma omp simd
+    for (int64_t t = 0; t < kTile; ++t) {
+      const float kv = kd[t];
+      a0[t] += x0 * kv;
+      a1[t] += x1 * kv;
+      a2[t] += x2 * kv;
+    }
+  }
+  for (int64_t t = 0; t < kTile; ++t) s0[t] = a0[t], s1[t] = a1[t], s2[t] = a2[t];
 }
 
 // K or V row of a slot as floats: float storage is read in place, others converted.
@@ -120,7 +158,7 @@ inline void accumulate(const float* p, const float* const* v, int64_t n, float* 
   }
 }
 
-template <typename T, int DC>
+template <typename T, int DC, bool VEC>
 void run(const torch::Tensor& query, const torch::Tensor& kv_cache,
          const torch::Tensor& block_table, const torch::Tensor& qsl,
          const torch::Tensor& seq_lens, const torch::Tensor& requests,
@@ -193,6 +231,40 @@ void run(const torch::Tensor& query, const torch::Tensor& kv_cache,
       // memory once; its V half is still in cache when the tile's weights are applied.
       for (int64_t j0 = 0; j0 < limit; j0 += kTile) {
         const int64_t n = std::min(kTile, limit - j0);
+        if constexpr (VEC) {
+          // a tile never crosses a block (block_size % kTile == 0, checked by the caller)
+          const T* head = kv + static_cast<int64_t>(row_blocks[j0 / BS]) * kv_sb +
+                          w.kvh * kv_sh;
+          const int64_t off = j0 % BS;
+          const T* kt = head + off;                 // K(t, d) at kt[d * BS + t]
+          const T* vt = head + BS * D + off * D;    // V(t, d) at vt[t * D + d]
+          const float* kfl;
+          int64_t ldk;
+          if constexpr (std::is_same_v<T, float>) {
+            kfl = kt, ldk = BS;
+          } else {
+            for (int64_t d = 0; d < D; ++d) load_row(kt + d * BS, &kbuf[d * kTile], kTile);
+            kfl = kbuf.data(), ldk = kTile;
+          }
+          for (int64_t t = 0; t < n; ++t) vf[t] = as_float(vt + t * D, &vbuf[t * D], D);
+          // all kTile columns are computed (they lie inside the block); those past n and
+          // those a row does not see are set to -inf
+          int64_t row = 0;
+          for (; row + 3 <= rows; row += 3)
+            score_tile3(&qf[row * D], &qf[(row + 1) * D], &qf[(row + 2) * D], kfl, ldk, D,
+                        &scores[row * kTile], &scores[(row + 1) * kTile],
+                        &scores[(row + 2) * kTile]);
+          for (; row < rows; ++row) score_tile(&qf[row * D], kfl, ldk, D, &scores[row * kTile]);
+          const bool masked = j0 + n > ctx;
+          for (int64_t i = w.i0; i < w.i1; ++i)
+            for (int64_t g = 0; g < G; ++g) {
+              float* sr = &scores[((i - w.i0) * G + g) * kTile];
+              for (int64_t t = n; t < kTile; ++t) sr[t] = -INFINITY;
+              if (masked)
+                for (int64_t t = 0; t < n; ++t)
+                  if (j0 + t >= ctx && !sees(i, j0 + t)) sr[t] = -INFINITY;
+            }
+        } else {
         std::fill(scores.begin(), scores.end(), -INFINITY);
         {   // the tile's slots, found once for K and V (one division per tile)
           int64_t b = j0 / BS, off = j0 % BS;
@@ -216,6 +288,7 @@ void run(const torch::Tensor& query, const torch::Tensor& kv_cache,
               scores[row * kTile + t] = dot(&qf[row * D], k, D);
             }
           }
+        }
         }
         for (int64_t row = 0; row < rows; ++row) {
           float* sr = &scores[row * kTile];
@@ -249,7 +322,7 @@ void run(const torch::Tensor& query, const torch::Tensor& kv_cache,
 void tree_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_table,
                     torch::Tensor query_start_loc, torch::Tensor seq_lens,
                     torch::Tensor requests, torch::Tensor is_tree, torch::Tensor tree_mask,
-                    double scale, int64_t row_chunk, torch::Tensor out) {
+                    double scale, int64_t row_chunk, bool vec, torch::Tensor out) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && kv_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && kv_cache.stride(3) == 1,
               "the head dimension must be contiguous");
@@ -272,13 +345,20 @@ void tree_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor b
     TORCH_CHECK(is_tree.scalar_type() == torch::kUInt8 && is_tree.is_contiguous(),
                 "is_tree: contiguous uint8");
   }
+  TORCH_CHECK(!vec || kv_cache.size(2) % kTile == 0,
+              "the vec layout needs a block size that is a multiple of ", kTile);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16,
                                   query.scalar_type(), "dartree_tree_attention", [&] {
     const int64_t D = query.size(2);
     auto go = [&](auto dc) {
-      run<scalar_t, decltype(dc)::value>(query, kv_cache, block_table, query_start_loc,
-                                         seq_lens, requests, is_tree, tree_mask, scale,
-                                         row_chunk, out);
+      if (vec)
+        run<scalar_t, decltype(dc)::value, true>(query, kv_cache, block_table,
+                                                 query_start_loc, seq_lens, requests, is_tree,
+                                                 tree_mask, scale, row_chunk, out);
+      else
+        run<scalar_t, decltype(dc)::value, false>(query, kv_cache, block_table,
+                                                  query_start_loc, seq_lens, requests,
+                                                  is_tree, tree_mask, scale, row_chunk, out);
     };
     if (D == 64) go(std::integral_constant<int, 64>{});
     else if (D == 128) go(std::integral_constant<int, 128>{});
