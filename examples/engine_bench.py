@@ -17,6 +17,8 @@ is right; `oracle-adaptive` the same drafter under the adaptive budget.
 the plugin's worker and attention cost by themselves. `ngram` is vLLM's own prompt-lookup
 speculation. `fixed` is DARTree verifying `budget` nodes every round (`adaptive: false`).
 `dartree-nolookup` is DARTree (adaptive) without lookup branches (`lookup: false`).
+`dartree-alt` is DARTree (the defaults) with the drafter of `--alt-drafter`, to compare two
+drafters in one run.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from pathlib import Path
 KV_CACHE_BYTES = 512 << 20
 
 METHODS = ("plain", "dartree", "ddtree", "chain", "oracle")
-EXTRA_METHODS = ("plugin-plain", "ngram", "fixed", "oracle-adaptive", "dartree-nolookup")
+EXTRA_METHODS = ("plugin-plain", "ngram", "fixed", "oracle-adaptive", "dartree-nolookup",
+                 "dartree-alt")
 
 
 def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
@@ -60,6 +63,10 @@ def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
         kw["speculative_config"] = {**tree, "builder": method}
     elif method == "dartree-nolookup":
         kw["speculative_config"] = {**tree, "lookup": False}
+    elif method == "dartree-alt":
+        if not args.alt_drafter:
+            raise SystemExit("dartree-alt needs --alt-drafter DIR")
+        kw["speculative_config"] = {**tree, "model": args.alt_drafter}
     elif method == "plugin-plain":
         kw["speculative_config"] = tree
     elif method == "fixed":
@@ -259,7 +266,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2,
                         help="interleaved repeats of every (method, level)")
     parser.add_argument("--target", help="target model folder (default: tiny random Qwen3)")
-    parser.add_argument("--drafter", help="drafter folder (default: tiny random Domino)")
+    parser.add_argument("--drafter", help="drafter folder (default: tiny random Domino; with "
+                        "--smollm2, the shipped drafter)")
+    parser.add_argument("--alt-drafter", help="a second drafter folder, for `dartree-alt`")
     parser.add_argument("--prompts", help="JSONL file with {'prompt': text} lines")
     parser.add_argument("--datasets", help="benchmark prompt sets instead (e.g. "
                         "gsm8k,humaneval,mt-bench: vllm_dartree.bench.datasets; the "
@@ -286,7 +295,8 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="dartree-bench-"))
     if args.smollm2:
         from vllm_dartree.zoo.shipped import smollm2_pair
-        args.target, args.drafter = smollm2_pair()
+        args.target, shipped = smollm2_pair()
+        args.drafter = args.drafter or shipped
     if not args.target:
         from vllm_dartree.testing import write_tiny_drafter, write_tiny_target
         args.target = str(write_tiny_target(workdir / "target", head_dim=32, seed=1))

@@ -64,9 +64,13 @@ def kv_layout(kv_cache: torch.Tensor) -> str:
     if (os.environ.get(LAYOUT_ENV, "vec") == "token"
             or os.environ.get("VLLM_DARTREE_CPU_ATTENTION") == "paged"):
         return "token"
-    block_size, head_size = kv_cache.shape[2], kv_cache.shape[3] // 2
+    return _layout(kv_cache.shape[2], kv_cache.shape[3] // 2, kv_cache.dtype)
+
+
+@lru_cache(maxsize=None)
+def _layout(block_size: int, head_size: int, dtype: torch.dtype) -> str:
     if (platform.machine() in ("x86_64", "AMD64") and block_size % 32 == 0
-            and head_size % 32 == 0 and kv_cache.dtype in (torch.float32, torch.bfloat16)
+            and head_size % 32 == 0 and dtype in (torch.float32, torch.bfloat16)
             and _vllm_ops() is not None):
         return "vec"
     return "token"
