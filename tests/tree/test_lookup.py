@@ -1,6 +1,6 @@
 """Lookup branches: the incremental n-gram index against a brute-force scan, grafting onto
 drafter trees (ancestor-closed, no duplicate siblings, within the budget) and the best-first
-order of a merged tree."""
+order of a merged tree, the lookup nodes' prior."""
 
 import numpy as np
 from hypothesis import given, settings
@@ -13,6 +13,7 @@ from vllm_dartree.tree.lookup import (
     Continuation,
     LookupIndex,
     best_first,
+    lookup_scores,
     merge_branches,
     reorder,
 )
@@ -143,3 +144,20 @@ def test_best_first_prefixes_are_trees_ranked_by_capped_estimate(seed, n):
         assert ranked.tokens[i] == tree.tokens[order[i]]
         if parent >= 0:
             assert ranked.depths[i] == ranked.depths[parent] + 1
+
+
+@given(match=st.integers(1, 12), count=st.integers(1, 9), extra=st.integers(0, 9),
+       length=st.integers(1, 40))
+def test_lookup_prior_falls_with_depth_and_rises_with_the_match(match, count, extra, length):
+    """The prior of a continuation's nodes: at depth 1 the share of the match's occurrences
+    that continue with this token times match / (match + 1); it falls with every depth, more
+    slowly than that first factor (a copy that started right tends to go on); a longer
+    matched suffix never scores lower at any depth."""
+    total = count + extra
+    prior = lookup_scores(match, count, total, length)
+    assert prior.shape == (length,)
+    np.testing.assert_allclose(prior[0], np.log(count / total * match / (match + 1)))
+    steps = np.diff(prior)
+    assert (steps < 0).all()
+    assert (steps > np.log(match / (match + 1))).all()
+    assert (lookup_scores(match + 1, count, total, length) >= prior).all()

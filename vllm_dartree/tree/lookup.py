@@ -95,10 +95,18 @@ class LookupIndex:
 def lookup_scores(match: int, count: int, total: int, length: int) -> np.ndarray:
     """Prior log-probabilities [length] of a continuation's nodes, before calibration: the
     share of the match's occurrences that continue with its first token, times
-    (match / (match + 1)) per depth (a longer matched suffix is more trustworthy)."""
+    match / (match + 1) for the first token (a longer matched suffix is more trustworthy)
+    and (match + 3) / (match + 4) per further depth (once its first token is right, a copy
+    tends to go on). Measured on SmolLM2's greedy answers (the demo and repetitive sets,
+    the first candidate's share accepted at depth 8 / 16): 0.13 / 0.06-0.08 after a
+    2-token match, 0.32-0.57 / 0.04-0.38 after a 5-token one, where match / (match + 1)
+    per depth gives 0.04 / 0.002 and 0.23 / 0.05. The prior errs high on purpose: the
+    budget never verifies what it expects to fail, so a prior that is too low is never
+    corrected by the calibration; one that is too high is, by the walks that follow."""
     share = max(count, 1) / max(total, count, 1)
-    step = np.log(match / (match + 1.0))
-    return np.log(share) + step * np.arange(1, length + 1)
+    first = np.log(match / (match + 1.0))
+    rest = np.log((match + 3.0) / (match + 4.0))
+    return np.log(share) + first + rest * np.arange(length)
 
 
 @dataclass
