@@ -18,7 +18,9 @@ the plugin's worker and attention cost by themselves. `ngram` is vLLM's own prom
 speculation. `fixed` is DARTree verifying `budget` nodes every round (`adaptive: false`).
 `dartree-nolookup` is DARTree (adaptive) without lookup branches (`lookup: false`).
 `dartree-alt` is DARTree (the defaults) with the drafter of `--alt-drafter`, to compare two
-drafters in one run.
+drafters in one run. `plain-sync` is plain decoding without vLLM's async scheduling, which
+vLLM turns off for every speculative method it does not list (dartree's `custom_class`
+carrier, and `ngram` on CPU): the baseline those engines actually share.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ KV_CACHE_BYTES = 512 << 20
 
 METHODS = ("plain", "dartree", "ddtree", "chain", "oracle")
 EXTRA_METHODS = ("plugin-plain", "ngram", "fixed", "oracle-adaptive", "dartree-nolookup",
-                 "dartree-alt")
+                 "dartree-alt", "plain-sync")
 
 
 def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
@@ -63,6 +65,8 @@ def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
         kw["speculative_config"] = {**tree, "builder": method}
     elif method == "dartree-nolookup":
         kw["speculative_config"] = {**tree, "lookup": False}
+    elif method == "plain-sync":
+        kw["async_scheduling"] = False
     elif method == "dartree-alt":
         if not args.alt_drafter:
             raise SystemExit("dartree-alt needs --alt-drafter DIR")
