@@ -158,7 +158,6 @@ class DARTreeCPUMetadata:
         self.is_tree = is_tree if tree_mask is not None else None
         self.tree_mask = tree_mask if self.is_tree is not None else None
         self._plan = None
-        self._vllm_call = None
 
 
 class DARTreeCPUMetadataBuilder(AttentionMetadataBuilder[DARTreeCPUMetadata]):

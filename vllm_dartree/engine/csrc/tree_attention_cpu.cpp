@@ -71,25 +71,6 @@ inline void score_tile(const float* q, const float* k, int64_t ldk, int64_t D, f
   for (int64_t t = 0; t < kTile; ++t) s[t] = acc[t];
 }
 
-// score_tile for three query rows at once: each K vector loaded serves three FMAs (12
-// accumulator registers on AVX2).
-inline void score_tile3(const float* q0, const float* q1, const float* q2, const float* k,
-                        int64_t ldk, int64_t D, float* s0, float* s1, float* s2) {
-  float a0[kTile] = {}, a1[kTile] = {}, a2[kTile] = {};
-  for (int64_t d = 0; d < D; ++d) {
-    const float x0 = q0[d], x1 = q1[d], x2 = q2[d];
-    const float* kd = k + d * ldk;
-#pragma omp simd
-    for (int64_t t = 0; t < kTile; ++t) {
-      const float kv = kd[t];
-      a0[t] += x0 * kv;
-      a1[t] += x1 * kv;
-      a2[t] += x2 * kv;
-    }
-  }
-  for (int64_t t = 0; t < kTile; ++t) s0[t] = a0[t], s1[t] = a1[t], s2[t] = a2[t];
-}
-
 // K or V row of a slot as floats: float storage is read in place, others converted.
 template <typename T>
 inline const float* as_float(const T* src, float* buf, int64_t n) {
@@ -249,12 +230,8 @@ void run(const torch::Tensor& query, const torch::Tensor& kv_cache,
           for (int64_t t = 0; t < n; ++t) vf[t] = as_float(vt + t * D, &vbuf[t * D], D);
           // all kTile columns are computed (they lie inside the block); those past n and
           // those a row does not see are set to -inf
-          int64_t row = 0;
-          for (; row + 3 <= rows; row += 3)
-            score_tile3(&qf[row * D], &qf[(row + 1) * D], &qf[(row + 2) * D], kfl, ldk, D,
-                        &scores[row * kTile], &scores[(row + 1) * kTile],
-                        &scores[(row + 2) * kTile]);
-          for (; row < rows; ++row) score_tile(&qf[row * D], kfl, ldk, D, &scores[row * kTile]);
+          for (int64_t row = 0; row < rows; ++row)
+            score_tile(&qf[row * D], kfl, ldk, D, &scores[row * kTile]);
           const bool masked = j0 + n > ctx;
           for (int64_t i = w.i0; i < w.i1; ++i)
             for (int64_t g = 0; g < G; ++g) {
