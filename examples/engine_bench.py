@@ -291,6 +291,9 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--depth", type=int, default=8, help="oracle tree depth")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--in-process", action="store_true",
+                        help="every engine in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
+                             "no front-end / engine-core processes competing for the cores")
     args = parser.parse_args()
     if args.serve:
         return serve(args.serve)
@@ -311,7 +314,8 @@ def main() -> None:
     oracle_file = workdir / "oracle-table.json"
     job = lambda m: {"engine": _engine_kwargs(args, m, str(oracle_file)),  # noqa: E731
                      "prompts": prompts, "max_tokens": args.max_tokens}
-    sessions = {"plain": EngineSession("plain", job("plain"), workdir)}
+    common = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if args.in_process else {}
+    sessions = {"plain": EngineSession("plain", job("plain"), workdir, common)}
     try:
         if any(m.startswith("oracle") for m in methods):   # the target's own continuations
             table = sessions["plain"].run(max(args.concurrency), args.max_tokens + args.depth + 1)
@@ -319,7 +323,7 @@ def main() -> None:
                 [p, o] for p, o in zip(prompts, table["outputs"])]}))
         for m in methods:
             if m != "plain":
-                env = {"VLLM_DARTREE_PLAIN": "1"} if m == "plugin-plain" else None
+                env = {**common, **({"VLLM_DARTREE_PLAIN": "1"} if m == "plugin-plain" else {})}
                 sessions[m] = EngineSession(m, job(m), workdir, env)
         results = run_interleaved(sessions, args.concurrency, args.repeats)
     finally:
@@ -328,7 +332,8 @@ def main() -> None:
     for m in methods:
         if results[m]["outputs"] != results["plain"]["outputs"]:
             print(f"WARNING: {m}'s outputs differ from plain decoding's", flush=True)
-    print(f"\nvLLM {args.dtype} on CPU, {len(prompts)} requests x {args.max_tokens} tokens, "
+    print(f"\nvLLM {args.dtype} on CPU{' (engines in-process)' if args.in_process else ''}, "
+          f"{len(prompts)} requests x {args.max_tokens} tokens, "
           f"tree budget {args.budget} (oracle {2 * args.depth}), width {args.width}, "
           f"top-k {args.topk}")
     print(f"{'method':<9} {'conc':>4} {'tok/s':>8} {'vs plain':>8} {'tau':>6}  time in the "

@@ -1,5 +1,5 @@
 """examples/engine_bench.py runs end to end (plain + oracle, two small levels) and prints a
-table whose oracle rows reach tau = depth + 1."""
+table whose oracle rows reach tau = depth + 1, with vLLM's engine processes and in-process."""
 
 import os
 import re
@@ -7,15 +7,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "engine_bench.py"
 
 
-def test_engine_bench_runs(tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--in-process"]], ids=["processes", "in-process"])
+def test_engine_bench_runs(tmp_path, mode):
     env = dict(os.environ, TMPDIR=str(tmp_path))
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run([sys.executable, str(SCRIPT), "--methods", "plain,oracle",
                            "--requests", "3", "--concurrency", "1,3", "--max-tokens", "16",
-                           "--depth", "4"], env=env, capture_output=True, text=True,
+                           "--depth", "4", *mode], env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [line.split() for line in proc.stdout.splitlines()
@@ -23,3 +26,4 @@ def test_engine_bench_runs(tmp_path):
     assert [(r[0], r[1]) for r in rows] == [("plain", "1"), ("plain", "3"), ("oracle", "1"),
                                             ("oracle", "3")]
     assert all(r[4] == "5.00" for r in rows if r[0] == "oracle"), proc.stdout
+    assert ("(engines in-process)" in proc.stdout) == bool(mode)
