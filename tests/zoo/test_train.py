@@ -79,6 +79,26 @@ def test_loss_falls_and_acceptance_rises(setup, tmp_path):
     assert trainer.evaluate(setup["shards"][:3]) > before
 
 
+def test_held_out_window_reads_only_the_responses_first_tokens(setup, tmp_path):
+    """`window` measures acceptance in the first tokens only (where bench.tau drafts): tokens
+    beyond the window's last block do not change it, but do change the whole measure."""
+    trainer = _trainer(setup, tmp_path, steps=30)
+    for _ in range(30):
+        trainer.train_step(setup["shards"])
+    shards = [dataclasses.replace(s, first_anchor=4) for s in setup["shards"][:4]]
+    window, block = 12, trainer.backbone.spec.query_len
+    assert trainer.evaluate(shards, window=10_000) == trainer.evaluate(shards)
+    gen = torch.Generator().manual_seed(1)
+    changed = []
+    for s in shards:
+        tokens = s.tokens.clone()
+        tail = slice(s.first_anchor + window + block, None)
+        tokens[tail] = torch.randint(5, 1000, tokens[tail].shape, generator=gen)
+        changed.append(dataclasses.replace(s, tokens=tokens))
+    assert trainer.evaluate(changed, window=window) == trainer.evaluate(shards, window=window)
+    assert trainer.evaluate(changed) != trainer.evaluate(shards)
+
+
 def test_resume_equals_uninterrupted(setup, tmp_path):
     straight = _trainer(setup, tmp_path / "a", steps=20)
     for _ in range(20):
