@@ -66,3 +66,14 @@ def test_cells_file_resumes(tmp_path):
     store.write_text("".join(json.dumps(c.__dict__) + "\n" for c in (a, b)))
     loaded = tb._load_cells(store)
     assert loaded == {tb._key(1.0, "x", "ar"): a, tb._key(1.0, "x", "domino"): b}
+
+
+def test_weights_fingerprint_follows_the_weights_not_the_path(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)
+    (tmp_path / "notes.txt").write_text("not a weight file")
+    first = tb.weights_fingerprint(tmp_path)
+    (tmp_path / "notes.txt").write_text("edited")
+    assert tb.weights_fingerprint(tmp_path) == first
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 63 + b"\x01")   # retrained in place
+    assert tb.weights_fingerprint(tmp_path) != first

@@ -9,13 +9,15 @@ drafter shipped for it (`zoo.shipped`). Every method runs in the reference decod
 request at a time, the paper's batch size 1) on the same prompts in one process; speedup is
 the method's tokens/s over AR's on the same dataset and temperature, measured in this run.
 At T = 0 every method's output is compared with AR's token for token (the `lossless` line).
-Finished cells are kept in OUT/cells.jsonl, so a cut-off run resumes where it stopped;
-the table goes to stdout and to OUT/table.md.
+Finished cells are kept in OUT/cells.jsonl, so a cut-off run resumes where it stopped (only
+with the same target, drafter weights and sizes: anything else starts over); the table goes
+to stdout and to OUT/table.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ROWS", "Cell", "run_cell", "format_table", "main"]
+__all__ = ["ROWS", "Cell", "run_cell", "format_table", "weights_fingerprint", "main"]
 
 # (method of the reference decoder, row label)
 ROWS = (
@@ -69,6 +71,19 @@ def run_cell(target, drafter, prompts: list[list[int]], method: str, temperature
     summary = summarize(method, results)
     return Cell(temperature, dataset, method, summary.tau, summary.tokens_per_second,
                 summary.output_tokens, [r.output_tokens for r in results])
+
+
+def weights_fingerprint(folder: Path) -> str:
+    """sha256 over a drafter folder's config and weight files: a drafter retrained in place
+    (same path, new weights) must not reuse the cells of the one before."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(folder).glob("*")):
+        if path.is_file() and path.suffix in (".json", ".safetensors", ".pt", ".bin"):
+            digest.update(path.name.encode())
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _key(temperature: float, dataset: str, method: str) -> str:
@@ -176,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
                     for p in load_prompts(ds, args.limit)] for ds in datasets}
     args.out.mkdir(parents=True, exist_ok=True)
     store = args.out / "cells.jsonl"
-    settings = {"target": str(args.target), "drafter": str(args.drafter), "limit": args.limit,
+    settings = {"target": str(args.target), "drafter": str(args.drafter),
+                "drafter_weights": weights_fingerprint(args.drafter), "limit": args.limit,
                 "max_new_tokens": args.max_new_tokens, "dtype": args.dtype}
     settings_file = args.out / "settings.json"
     if settings_file.exists() and json.loads(settings_file.read_text()) != settings:
