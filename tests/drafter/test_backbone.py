@@ -52,6 +52,25 @@ def _plain_draft(drafter, feats, root):
     return hidden, hidden @ bb.lm_head_weight.T
 
 
+@pytest.mark.parametrize("fmt", ["dflash", "domino", "dspark"])
+@pytest.mark.parametrize("depths", [1, 3])
+def test_capped_depths_equal_the_whole_blocks_first_rows(fmt, depths, tiny_target,
+                                                         drafter_folders):
+    """`num_depths` computes only the rows read out in the last layer (keys and values still
+    from the whole block): the rows equal the whole block's, against the plain derivation,
+    for drafters of 2 layers (the first layer's every row feeds the last layer's K/V)."""
+    drafter = tiny_target.load(drafter_folders[fmt])
+    assert len(drafter.backbone.layers) == 2
+    feats = tiny_target.features(_tokens(13, seed=3), drafter.spec.target_layer_ids)
+    cache = ContextCache()
+    drafter.backbone.extend_context(cache, ["r"], [feats])
+    out = drafter.backbone(cache, ["r"], torch.tensor([7]), num_depths=depths)
+    hidden, logits = _plain_draft(drafter, feats, 7)
+    assert out.hidden.shape == (1, depths, drafter.spec.hidden_size)
+    torch.testing.assert_close(out.hidden[0], hidden[:depths], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.base_logits[0], logits[:depths], rtol=1e-4, atol=1e-4)
+
+
 def _tokens(n, seed=0):
     return torch.randint(10, 1000, (n,), generator=torch.Generator().manual_seed(seed))
 

@@ -189,13 +189,17 @@ class DFlashBackbone(nn.Module):
         p0 = torch.tensor([cache.length(r) for r in rids], device=x.device)
         cos, sin = self._rope(p0[:, None] + torch.arange(q, device=x.device), dtype)
         ctx_k, ctx_v, valid = cache.gather(rids, x)
+        depths = spec.num_depths if num_depths is None else min(num_depths, spec.num_depths)
+        # the last layer computes only the block positions read out (its keys and values
+        # still come from the whole block): the same rows, a fraction of its cost
+        read = slice(spec.depth_offset, spec.depth_offset + depths)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             k_i = ctx_k[i] if ctx_k.shape[0] else x.new_zeros(num_req, spec.num_kv_heads, 0,
                                                                 spec.head_dim)
             v_i = ctx_v[i] if ctx_v.shape[0] else k_i
-            x = layer(x, k_i, v_i, valid, cos, sin)
-        depths = spec.num_depths if num_depths is None else min(num_depths, spec.num_depths)
-        hidden = self.norm(x)[:, spec.depth_offset:spec.depth_offset + depths]
+            x = layer(x, k_i, v_i, valid, cos, sin, queries=read if i == last else None)
+        hidden = self.norm(x)
         logits = linear(hidden, self.output_weight.to(hidden.dtype))
         return DraftOutput(hidden=hidden, base_logits=logits, vocab_ids=self.draft_vocab)
 

@@ -102,18 +102,26 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
     def forward(self, x: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-                ctx_valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [R, Q, H]; ctx_k/ctx_v [R, KVH, L, D]; ctx_valid [R, L] bool; cos/sin [R, Q, D]."""
+                ctx_valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                queries: slice | None = None) -> torch.Tensor:
+        """x [R, Q, H]; ctx_k/ctx_v [R, KVH, L, D]; ctx_valid [R, L] bool; cos/sin [R, Q, D].
+
+        `queries` (the last layer of a draft): only those block positions are returned,
+        [R, Q', H]; every block position still gives its keys and values, so the kept rows
+        are what the whole block would give them (a query's attention and MLP see only its
+        own row), for a fraction of the projections and the MLP."""
         attn = self.self_attn
         h = self.input_layernorm(x)
-        q = attn.q_norm(linear(h, attn.q_proj.weight).unflatten(-1, (attn.heads, attn.head_dim)))
-        q = apply_rope(q.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1))   # [R, NH, Q, D]
         k_blk, v_blk = attn.keys_values(h, cos, sin)                            # [R, KVH, Q, D]
+        if queries is not None:
+            x, h, cos, sin = x[:, queries], h[:, queries], cos[:, queries], sin[:, queries]
+        q = attn.q_norm(linear(h, attn.q_proj.weight).unflatten(-1, (attn.heads, attn.head_dim)))
+        q = apply_rope(q.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1))   # [R, NH, Q', D]
         k = torch.cat([ctx_k.to(k_blk.dtype), k_blk], dim=2)
         v = torch.cat([ctx_v.to(v_blk.dtype), v_blk], dim=2)
         group = attn.heads // attn.kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        visible = torch.cat([ctx_valid, ctx_valid.new_ones(x.shape[0], x.shape[1])], dim=1)
+        visible = torch.cat([ctx_valid, ctx_valid.new_ones(x.shape[0], k_blk.shape[2])], dim=1)
         out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None])
         x = x + linear(out.transpose(1, 2).flatten(2), attn.o_proj.weight)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -117,6 +117,10 @@ class DraftingMixin:
             draft_rows, rids, roots, greedy, found = ([xs[j] for j in keep] for xs in
                                                       (draft_rows, rids, roots, greedy, found))
             plan_index = keep
+        # vLLM's per-position counters and rejection buffers hold num_speculative_tokens
+        # drafts: never hand the scheduler more (a prefix of a tree is a tree).
+        limit = int(getattr(self.speculative_config, "num_speculative_tokens", None)
+                    or self.dartree.config.budget)
         if plan is not None and plan.depth == 0:   # lookup nodes only: no drafter pass
             counts = [0] * len(rids)
             tokens = parents = depths = torch.zeros(len(rids), 0, dtype=torch.int64)
@@ -126,15 +130,12 @@ class DraftingMixin:
             # requests' contexts with the rows waiting since their last draft, then drafting
             start = time.perf_counter()
             context.flush(rids)                 # the drafter sees every committed row
+            # a tree of n nodes is at most n deep: a fixed budget needs no deeper drafts
             trees = self._dt_safe_draft(drafter, rids, roots, features.device,
-                                        None if plan is None else plan.depth)
+                                        limit if plan is None else plan.depth)
             counts, tokens, parents, depths, scores = trees
             if budget is not None:
                 budget.observe_draft(len(rids), plan.depth, time.perf_counter() - start)
-        # vLLM's per-position counters and rejection buffers hold num_speculative_tokens
-        # drafts: never hand the scheduler more (a prefix of a tree is a tree).
-        limit = int(getattr(self.speculative_config, "num_speculative_tokens", None)
-                    or self.dartree.config.budget)
         for j, (i, rid) in enumerate(zip(draft_rows, rids)):
             m = int(counts[j])
             tree = (tokens[j, :m].tolist(), parents[j, :m].numpy(), depths[j, :m].numpy(),
