@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from vllm_dartree.engine.budget import BatchCosts, cut, plan_budgets, throughput
 from vllm_dartree.engine.calibration import AcceptanceCalibrator, isotonic_increasing
-from vllm_dartree.engine.controller import BIAS_DECAY, TreeBudget
+from vllm_dartree.engine.controller import BIAS_DECAY, BIAS_PRIOR, TreeBudget, batch_class
 from vllm_dartree.engine.costs import DecayedLeastSquares, StepCosts
 from vllm_dartree.tree.lookup import DRAFTER
 
@@ -275,7 +275,9 @@ def test_selection_bias_shrinks_predictions_and_never_inflates_them():
         expected_obs = BIAS_DECAY * expected_obs + 1.0
         expected_pred = BIAS_DECAY * expected_pred + pred
     factor = budget.shrink(True)
-    assert factor == pytest.approx(max((expected_obs + 1) / (expected_pred + 1), 0.25))
+    pool = (expected_obs + 1) / (expected_pred + 1)   # one batch class: the pool is its own
+    assert factor == pytest.approx(max((expected_obs + BIAS_PRIOR * pool)
+                                       / (expected_pred + BIAS_PRIOR), 0.25))
     assert factor < 0.8      # the bins learn too, so the first trees carry the bias
     assert np.allclose(budget.predict("a", True, scores, depths),
                        cal.predict(scores, depths, "a") * factor)
@@ -292,3 +294,28 @@ def test_selection_bias_shrinks_predictions_and_never_inflates_them():
     before = budget.predict("a", True, scores, depths).sum()
     budget.observe_walk("a", True, scores, depths, [0])
     assert budget.stats["predicted_accepted"] - first == pytest.approx(before)
+
+
+def test_selection_bias_is_kept_per_batch_class():
+    """Trees chosen in batches of nine accept 1 node of 4, trees of one request all 4:
+    each batch class shrinks by its own record; a class with no record starts from the
+    pool's; plans set the class that the next walks are booked to."""
+    budget = TreeBudget(max_nodes=6, max_depth=6)
+    budget.costs = StepCosts(plain_step=0.05)
+    scores, depths = np.full(4, -0.05), np.arange(1, 5)
+    nine = [f"r{i}" for i in range(9)]
+    for k in range(20):      # fresh requests each time: no per-request correction
+        budget.plan(nine, [True] * 9, 9)                   # the walks below: class 9+
+        assert budget._class == batch_class(9) == 3
+        budget.observe_walk(f"r{k}", True, scores, depths, [0])   # 1 of 4 accepted
+        budget.plan(["a"], [True], 1)                      # class 1
+        budget.observe_walk(f"a{k}", True, scores, depths, [0, 1, 2, 3])   # all 4
+    # the bins learn the mixture (about 5 of 8 nodes): the crowded trees run below it, the
+    # lone ones above it (never inflated: 1)
+    alone, crowded = budget.shrink(True, 0), budget.shrink(True, 3)
+    assert crowded < 0.6 and alone == 1.0
+    observed = sum(budget._bias[True, c][0] for c in range(4))
+    predicted = sum(budget._bias[True, c][1] for c in range(4))
+    pool = (observed + 1) / (predicted + 1)
+    assert budget.shrink(True, 1) == pytest.approx(min(max(pool, 0.25), 1.0))   # no record
+    assert [batch_class(n) for n in (1, 2, 4, 5, 8, 9, 64)] == [0, 1, 1, 2, 2, 3, 3]

@@ -8,8 +8,9 @@ After drafting, `cut` gives each fresh tree the prefix whose nodes earn their ro
 planned rate. After the target's walk, `observe_walk` labels the verified nodes (the
 calibration's data) and the runner reports step and draft timings (`observe_step`,
 `observe_draft`: the cost model's data). Predictions are scaled down by the recent ratio of
-accepted to predicted tokens of the verified trees (`shrink`): the plan picks the trees
-predicted best, so the estimates' noise is selected upward.
+accepted to predicted tokens of the verified trees (`shrink`, per batch size class): the
+plan picks the trees predicted best, so the estimates' noise is selected upward, the more so
+in a larger batch.
 
 So that the estimates never freeze while every step is plain, one request in turn drafts
 and verifies a small tree (alternately 2 and 4 nodes, so that a row's cost can be told from
@@ -19,6 +20,8 @@ that does not pay costs about 1% of the steps; any step the plan drafts resets i
 
 `VLLM_DARTREE_PLAIN=1` makes every step plain and never explores: plain decoding through
 the plugin's worker and attention, to measure what the plugin itself costs.
+`VLLM_DARTREE_TRACE=FILE` writes every plan, draft, walk and step timing to FILE
+(`engine.trace`, which also reads one back: planned against realized speed-ups).
 """
 
 from __future__ import annotations
@@ -31,17 +34,28 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_dartree.engine.budget import BatchCosts, Plan, cut, plan_budgets
+from vllm_dartree.engine.budget import BatchCosts, Plan, cut, plan_budgets, throughput
 from vllm_dartree.engine.calibration import AcceptanceCalibrator
 from vllm_dartree.engine.costs import StepCosts
+from vllm_dartree.engine.trace import BudgetTrace
 from vllm_dartree.tree.lookup import BOTH, DRAFTER, LOOKUP
 
-__all__ = ["TreeBudget", "BudgetPlan"]
+__all__ = ["TreeBudget", "BudgetPlan", "batch_class"]
 
 logger = logging.getLogger("vllm.dartree")
 
 
 BIAS_DECAY = 0.97   # per verified tree: the selection bias follows the last ~30 trees
+BIAS_PRIOR = 3.0    # accepted tokens: a batch class's own record outweighs the pool's soon
+
+
+def batch_class(running: int) -> int:
+    """The selection bias is kept per batch size, since the plan chooses among more trees in
+    a larger batch (and picks the most over-predicted ones): 1, 2-4, 5-8, 9+ requests."""
+    return 0 if running <= 1 else 1 if running <= 4 else 2 if running <= 8 else 3
+
+
+NUM_BATCH_CLASSES = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,10 +95,12 @@ class TreeBudget:
         self.calibrators = {(g, src): AcceptanceCalibrator() for g in (True, False)
                             for src in (DRAFTER, LOOKUP, BOTH)}
         self.costs = StepCosts()
-        # per temperature class: decayed (observed, predicted) accepted tokens of the trees
-        # verified, predicted by the calibrators alone: their bias on the trees the plan
-        # *chose*, which the bins (fitted on every verified node) do not see
-        self._bias = {True: [0.0, 0.0], False: [0.0, 0.0]}
+        # per temperature class and batch class: decayed (observed, predicted) accepted
+        # tokens of the trees verified, predicted by the calibrators alone: their bias on the
+        # trees the plan *chose*, which the bins (fitted on every verified node) do not see
+        self._bias = {(g, c): [0.0, 0.0] for g in (True, False)
+                      for c in range(NUM_BATCH_CLASSES)}
+        self._class = 0     # the batch class of the last plan (whose trees are walked next)
         # rid -> its last tree (scores, depths, sources); the pool's last tree per class
         self._profiles: dict[Hashable, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._pool: dict[bool, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -97,6 +113,8 @@ class TreeBudget:
                       "shared_nodes": 0, "shared_accepted": 0,
                       "lookup_offered": 0, "lookup_offered_planned": 0}
         self._log_every, self._last_log = log_every, time.monotonic()
+        self.trace = BudgetTrace.from_env()
+        self._plain_rate = 0.0     # the last plan's tokens/s for a plain step (for the trace)
 
     # -- planning -------------------------------------------------------------------------
     def batch_costs(self) -> BatchCosts:
@@ -104,15 +122,24 @@ class TreeBudget:
         c, d, e = self.costs.draft_theta
         return BatchCosts(step=a, row=b, tree_step=f, per_request=d, per_depth=e, draft=c)
 
-    def shrink(self, greedy: bool) -> float:
-        """Observed / predicted accepted tokens of the recently verified trees of a class,
-        at most 1 (at least 1/4): the plan verifies the trees whose predictions are highest,
-        so whatever noise the calibrated estimates carry is selected upward (at 16 requests
-        the demo prompts had 1.46 predicted and 1.04 accepted per tree). Every prediction
-        the plan and the cut use is scaled by it; it never inflates one (the bins catch up
-        with a drafter that does better than predicted, and exploration keeps measuring)."""
-        observed, predicted = self._bias[greedy]
-        return float(np.clip((observed + 1.0) / (predicted + 1.0), 0.25, 1.0))
+    def shrink(self, greedy: bool, batch: int | None = None) -> float:
+        """Observed / predicted accepted tokens of the recently verified trees of a
+        temperature class and batch class (default: the last plan's), at most 1 (at least
+        1/4): the plan verifies the trees whose predictions are highest, so whatever noise
+        the calibrated estimates carry is selected upward, the more so the more trees it
+        chooses among (nine requests on the demo prompts: 1.22 predicted and 1.06 accepted
+        per tree where one request had 1.61 and 1.66, one shared factor then). A batch
+        class starts from the pool of all classes (`BIAS_PRIOR` tokens of it). Every
+        prediction the plan and the cut use is scaled by it; it never inflates one (the
+        bins catch up with a drafter that does better than predicted, and exploration keeps
+        measuring)."""
+        batch = self._class if batch is None else batch
+        pool_obs = sum(self._bias[greedy, c][0] for c in range(NUM_BATCH_CLASSES))
+        pool_pred = sum(self._bias[greedy, c][1] for c in range(NUM_BATCH_CLASSES))
+        pool = (pool_obs + 1.0) / (pool_pred + 1.0)
+        observed, predicted = self._bias[greedy, batch]
+        return float(np.clip((observed + BIAS_PRIOR * pool) / (predicted + BIAS_PRIOR),
+                             0.25, 1.0))
 
     def predict(self, rid, greedy: bool, scores: np.ndarray, depths: np.ndarray,
                 sources: np.ndarray | None = None) -> np.ndarray:
@@ -139,12 +166,20 @@ class TreeBudget:
         `lookup[i]`: (prior scores, depths) of request i's lookup nodes this round, known
         before drafting; they replace the lookup nodes of its last tree in the prediction
         and need no drafter depth (depth 0 with nodes: a lookup-only step, no drafter pass)."""
+        self._class = batch_class(num_running)
         plan, unknown = self._plan(rids, greedy, num_running, lookup)   # ~1 ms at 16 requests
         if lookup is not None:   # how often lookup had something, and how often it was used
             offered = np.array([f is not None for f in lookup], dtype=bool)
             self.stats["lookup_offered"] += int(offered.sum())
             self.stats["lookup_offered_planned"] += int((offered & (plan.nodes > 0)).sum())
-        return self._finish(plan, unknown)
+        out = self._finish(plan, unknown)
+        if self.trace is not None:
+            self.trace.event("plan", id=self.stats["steps"], running=num_running,
+                             requests=len(rids),
+                             nodes=int(out.nodes.sum()), depth=int(out.depth),
+                             rate=float(plan.rate), plain_rate=float(self._plain_rate),
+                             explore=bool(out.explore.any()))
+        return out
 
     def _profile_nodes(self, rid, g: bool, found):
         """(scores, depths, sources) of request rid's predicted tree, unordered; None when
@@ -172,7 +207,9 @@ class TreeBudget:
         costs = BatchCosts(step=costs.step + costs.row * others, row=costs.row,
                            tree_step=costs.tree_step, per_request=costs.per_request,
                            per_depth=costs.per_depth, draft=costs.draft)
-        return plan_budgets(gains, depths, costs), unknown
+        plan = plan_budgets(gains, depths, costs)
+        self._plain_rate = throughput(gains, depths, np.zeros(len(rids), dtype=np.int64), costs)
+        return plan, unknown
 
     def _curves(self, rids, greedy, lookup=None):
         """Every request's prefix curves (gains, depths: [R, B + 1]) of its predicted tree,
@@ -274,7 +311,7 @@ class TreeBudget:
             pr, ob = self.calibrators[greedy, src].update(scores[at], depths[at], labels[at], rid)
             predicted, observed = predicted + pr, observed + ob
         shrink = self.shrink(greedy)        # what the plan used for this tree
-        bias = self._bias[greedy]
+        bias = self._bias[greedy, self._class]
         bias[0] = BIAS_DECAY * bias[0] + observed
         bias[1] = BIAS_DECAY * bias[1] + predicted
         predicted *= shrink
@@ -285,15 +322,27 @@ class TreeBudget:
             s[f"{name}_accepted"] += int(np.count_nonzero(labels & at))
         s["rounds"] += 1
         s["nodes"] += len(scores)
+        if self.trace is not None:
+            self.trace.event("walk", nodes=len(scores), predicted=float(predicted),
+                             observed=float(observed))
         s["predicted_accepted"] += predicted
         s["observed_accepted"] += observed
 
-    def observe_step(self, rows: int, tree: bool, seconds: float) -> None:
+    def observe_step(self, rows: int, tree: bool, seconds: float, plan: int | None = None,
+                     ) -> None:
+        """A decode step's seconds (drafting excluded); `plan`: the number of plans made
+        before it started (the last one's trees are those it verified), for the trace."""
         self.costs.observe_target(rows, int(tree), seconds)
+        if self.trace is not None:
+            self.trace.event("step", plan=plan, rows=int(rows), tree=bool(tree),
+                             s=float(seconds))
         self._maybe_log()
 
     def observe_draft(self, requests: int, depths: int, seconds: float) -> None:
         self.costs.observe_draft(requests, depths, seconds)
+        if self.trace is not None:
+            self.trace.event("draft", requests=int(requests), depths=int(depths),
+                             s=float(seconds))
         self.stats["draft_passes"] += 1
 
     def free(self, rid: Hashable) -> None:
