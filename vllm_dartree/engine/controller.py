@@ -208,7 +208,9 @@ class TreeBudget:
                            tree_step=costs.tree_step, per_request=costs.per_request,
                            per_depth=costs.per_depth, draft=costs.draft)
         plan = plan_budgets(gains, depths, costs)
-        self._plain_rate = throughput(gains, depths, np.zeros(len(rids), dtype=np.int64), costs)
+        if self.trace is not None:   # the same cost model's plain step, for the trace alone
+            self._plain_rate = throughput(gains, depths, np.zeros(len(rids), dtype=np.int64),
+                                          costs)
         return plan, unknown
 
     def _curves(self, rids, greedy, lookup=None):
