@@ -170,6 +170,54 @@ def test_tree_attention_equals_paged_reference(group, chunk, attention_path, kv_
     torch.testing.assert_close(out.reshape(t, nh, d), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("group", [1, 3])
+def test_steps_without_trees_as_vllm_passes_them(group, kv_layout):
+    """What vLLM's Attention layer hands the impl (3-D views of a fused QKV projection, K/V
+    rows strided) on a step without trees (decode rows and a prompt chunk): on the vec
+    layout the impl's direct path to vLLM's ops; the KV writes and the attention equal the
+    paged reference and the general path's."""
+    gen = torch.Generator().manual_seed(1)
+    kvh, d, bs, nb = 2, 32, 32, 12
+    nh = kvh * group
+    q_lens, seq_lens = [1, 30, 1], [40, 95, 64]
+    t = sum(q_lens)
+    table = torch.randperm(nb, generator=gen)[:9].reshape(3, 3).int()
+    # history: every slot below each request's new rows, written through the general path
+    kv = torch.zeros(nb, kvh, bs, 2 * d)
+    k_all, v_all = torch.randn(nb * bs, kvh, d, generator=gen), torch.randn(nb * bs, kvh, d,
+                                                                            generator=gen)
+    def slot(r, pos):
+        return int(table[r, pos // bs]) * bs + pos % bs
+    old = torch.tensor([slot(r, p) for r in range(3) for p in range(seq_lens[r] - q_lens[r])])
+    cpu_attention.write_slots(kv, k_all[old], v_all[old], old)
+    new = torch.tensor([slot(r, p) for r in range(3)
+                        for p in range(seq_lens[r] - q_lens[r], seq_lens[r])])
+    qkv = torch.randn(t, (nh + 2 * kvh) * d, generator=gen)     # the layer's fused output
+    q = qkv[:, :nh * d].view(t, nh, d)
+    key = qkv[:, nh * d:(nh + kvh) * d].view(t, kvh, d)
+    value = qkv[:, (nh + kvh) * d:].view(t, kvh, d)
+    impl = DARTreeCPUAttentionImpl(nh, d, 0.3, kvh, None, None, "auto")
+    impl.do_kv_cache_update(None, key, value, kv, new)
+    qsl = torch.tensor([0, 1, 31, 32], dtype=torch.int32)
+    md = DARTreeCPUMetadata(num_actual_tokens=t, max_query_len=30, query_start_loc=qsl,
+                            max_seq_len=95, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                            block_table=table, slot_mapping=new)
+    out = torch.zeros(t, nh, d)
+    impl.forward(None, q, key, value, kv, md, out)
+    k_ref, v_ref = k_all.clone(), v_all.clone()
+    k_ref[new], v_ref[new] = key, value
+    k_cache = k_ref.view(nb, bs, kvh, d)
+    v_cache = v_ref.view(nb, bs, kvh, d)
+    batch = PagedBatch(qsl.long(), torch.tensor(seq_lens), table.long(),
+                       torch.tensor([False, False, False]),
+                       torch.zeros(3, 30, 1, dtype=torch.int32))
+    want = paged_attention_reference(q, k_cache, v_cache, batch, 0.3)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    general = torch.zeros(t, nh, d)
+    cpu_attention.tree_attention(q.contiguous(), kv, md, 0.3, general)
+    torch.testing.assert_close(out, general, atol=1e-6, rtol=1e-6)
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), requests=st.integers(1, 5), group=st.sampled_from([1, 3]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), d=st.sampled_from([16, 64]))
