@@ -99,6 +99,13 @@ def plan_budgets(gains: np.ndarray, depths: np.ndarray, costs: BatchCosts,
     best_nodes, best_rate = plain, throughput(gains, depths, plain, costs)
     if r == 0 or gains.shape[1] == 1:
         return Plan(plain, 0, best_rate)
+    # Most steps are plain: when no allocation earns its cost even with drafting free and
+    # every depth allowed (a relaxation of every cap below), every cap's first Dinkelbach
+    # step returns the plain step, so one check decides (exactly the loop's answer).
+    free_draft = BatchCosts(step=costs.step, row=costs.row, tree_step=costs.tree_step,
+                            per_request=0.0, per_depth=0.0, draft=0.0)
+    if not _best_for_depth(gains, depths, int(depths.max()), free_draft, best_rate).any():
+        return Plan(plain, 0, best_rate)
     # cap 0: prefixes that need no drafter depth (lookup nodes alone, no drafter pass)
     for cap in range(0, int(depths.max()) + 1):
         lam = best_rate
