@@ -34,7 +34,7 @@ class DraftingMixin:
     def propose_draft_token_ids(self, *args, **kwargs):
         start = time.perf_counter()
         with self._dt_timed("draft"):
-            group = _tp_group()
+            group = self._dt_tp_group()
             if group is None:
                 out = self._dt_propose(*args, **kwargs)
             else:
@@ -43,6 +43,12 @@ class DraftingMixin:
         if len(self._dt_clock) == 2:
             self._dt_clock[1] += time.perf_counter() - start
         return out
+
+    def _dt_tp_group(self):
+        """`_tp_group()`, looked up once (the groups are set up before the first step)."""
+        if "_dt_group" not in self.__dict__:
+            self._dt_group = _tp_group()
+        return self._dt_group
 
     def _dt_share_trees(self, group, args, kwargs) -> list[list[int]]:
         """Tensor parallelism: rank 0 drafts (drafter context, adaptive budget, lookup and

@@ -39,7 +39,7 @@ import numpy as np
 
 from vllm_dartree.engine.compaction import CompactionMixin
 from vllm_dartree.engine.controller import TreeBudget
-from vllm_dartree.engine.drafting import DraftingMixin, _tp_group
+from vllm_dartree.engine.drafting import DraftingMixin
 from vllm_dartree.engine.live_state import StatePublisher, state_path
 from vllm_dartree.engine.lookup_branches import LookupBranches
 from vllm_dartree.engine.settings import EngineSettings
@@ -77,7 +77,7 @@ class DARTreeRunnerMixin(TreeSamplerMixin, CompactionMixin, DraftingMixin):
     def _dt_publish_state(self) -> None:
         """The per-request state this worker holds, for /metrics (`engine.live_state`); under
         tensor parallelism rank 0's, which holds the drafter state (the others hold none)."""
-        group = _tp_group()
+        group = self._dt_tp_group()
         if group is not None and group.rank_in_group != 0:
             return
         drafter = getattr(self.drafter, "tree_drafter", None)
