@@ -38,7 +38,10 @@ def _tree_mask_kernel(
         bit = (tl.full([BLOCK_ROWS], 1, tl.int32) << (tl.maximum(cur, 0) % 32)).to(tl.int32)
         hit = (words[None, :] == (cur // 32)[:, None]) & live[:, None]
         acc_bits = acc_bits | tl.where(hit, bit[:, None], 0)
-        par = tl.load(parents_ptr + req * stride_pr + (cur - 1), mask=live & (cur > 0), other=-1)
+        # int32 whatever the parents' dtype: a loop-carried value must keep one type when
+        # compiled (the interpreter does not check this; int64 parents failed on a GPU).
+        par = tl.load(parents_ptr + req * stride_pr + (cur - 1), mask=live & (cur > 0),
+                      other=-1).to(tl.int32)
         cur = tl.where(cur > 0, par + 1, -1)
     # Phase 2: write the rows.
     if WRITE_MASK:

@@ -13,8 +13,10 @@ flash/efficient kernels) vs SDPA with an explicit mask, at Qwen3-4B shapes (32 q
 heads, head 128; contexts 1k and 8k; trees of 64 and 128 nodes; batch 1 and 8); (c) DARTree
 pruned round (construction + masks + greedy walk) at Qwen3-4B drafter shapes, random weights:
 eager vs one CUDA graph vs the sequential heap, and construction alone through
-`GraphedTreeBuilder` (what the engine replays). Every section records its own error and the
-others still run; the table at the end checks the issue's targets.
+`GraphedTreeBuilder` (what the engine replays); (d) on a GPU, the CPU suite's kernel tests
+compiled instead of interpreted, and the CUDA-graph test CI skips (`kernel_tests.log`). Every
+section records its own error and the others still run; the table at the end checks the
+issue's targets.
 """
 
 from __future__ import annotations
@@ -238,8 +240,34 @@ def main() -> None:
             report[name], report["errors"][name] = [], repr(err)[:500]
         print(f"[{name}: {time.perf_counter() - start:.0f} s]", flush=True)
         (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    if not args.smoke and device.type == "cuda":
+        report["tests"] = run_kernel_tests(out_dir)
+        (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))
     print(summary(report))
     (out_dir / "summary.md").write_text(summary(report) + "\n")
+
+
+KERNEL_TESTS = ["tests/kernels", "tests/tree/test_graphs.py", "tests/drafter/test_gru_head.py"]
+
+
+def run_kernel_tests(out_dir: Path) -> dict:
+    """The CPU suite's kernel tests, compiled for the GPU (tests/kernels/conftest.py moves
+    their inputs there), and the CUDA-graph test that CI skips; log in $OUT/kernel_tests.log."""
+    import contextlib
+    import io
+
+    import pytest
+    os.environ["TRITON_INTERPRET"] = "0"    # before the test modules decorate their kernels
+    os.environ["DARTREE_KERNEL_DEVICE"] = "cuda"
+    log = io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(log):
+        code = pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
+                            *(str(ROOT / t) for t in KERNEL_TESTS)])
+    (out_dir / "kernel_tests.log").write_text(log.getvalue())
+    last = log.getvalue().strip().splitlines()[-1:] or [""]
+    print(f"[kernel tests: {time.perf_counter() - start:.0f} s] {last[0]}", flush=True)
+    return {"exit_code": int(code), "summary": last[0]}
 
 
 def _ms(x) -> str:
@@ -284,6 +312,10 @@ def summary(report: dict) -> str:
     if one:
         ms = one[0]["construction_graphed_ms"]
         lines.append(f"  construction < 2 ms at batch 1 with CUDA graphs: {ms < 2} ({ms:.3f} ms)")
+    if "tests" in report:
+        tests = report["tests"]
+        lines.append(f"  kernel tests compiled on the GPU pass: {tests['exit_code'] == 0} "
+                     f"({tests['summary']})")
     for name, err in report["errors"].items():
         lines.append(f"  section {name} failed: {err}")
     return "\n".join(lines)

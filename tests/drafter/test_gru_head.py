@@ -65,3 +65,22 @@ def test_embedding_is_shared_not_copied():
     assert "embed_weight" not in head.state_dict()
     assert set(head.state_dict()) == {"prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0",
                                       "embed_proj.0.weight", "embed_proj.2.weight"}
+
+
+def test_moving_the_head_moves_its_embeddings_and_input_table():
+    """`.to()` / `.cuda()` must carry the plain-attribute tensors too (a GPU run found
+    `.cuda()` leaving them on the CPU: "indices should be ... on the same device")."""
+    head, embed = _head(4)
+    state = torch.randn(2, 3, G, dtype=torch.float64)
+    tokens = torch.randint(0, V, (2, 3))
+    with torch.no_grad():
+        want = head.advance(state, tokens)
+        head.use_input_table()
+        head.float()
+        assert head.embed_weight.dtype == torch.float32 == head._input_table.dtype
+        fast = head.advance(state.float(), tokens)
+        head.use_input_table(False)
+        plain = head.advance(state.float(), tokens)
+    torch.testing.assert_close(fast, want.float())
+    torch.testing.assert_close(plain, want.float())
+    assert embed.dtype == torch.float64      # the caller's tensor is left as it was

@@ -54,6 +54,15 @@ class DominoGRUHead(nn.Module):
         self.embed_weight = embed_weight.detach()
         self._input_table: torch.Tensor | None = None
 
+    def _apply(self, fn, recurse=True):
+        # `.to()` / `.cuda()` move the shared embeddings and the input table with the weights
+        # (plain attributes, not parameters: `nn.Module` alone would leave them behind).
+        super()._apply(fn, recurse)
+        self.embed_weight = fn(self.embed_weight)
+        if self._input_table is not None:
+            self._input_table = fn(self._input_table)
+        return self
+
     def use_input_table(self, enabled: bool = True) -> None:
         """Fast path: precompute embed @ W_ih^T ([V, 3G]) so a GRU step's input is a gather."""
         self._input_table = linear(self.embed_weight, self.w_ih).contiguous() if enabled else None
