@@ -109,9 +109,9 @@ def _paged(batch, ctx, nodes, heads, kv_heads, dim, dtype, device, tree, seed):
     return move(q), move(k), move(v), pb, q_len
 
 
-def _kernel(q, k, v, pb, q_len, scale):
+def _kernel(q, k, v, pb, q_len, scale, **kwargs):
     return tree_attention(q, k, v, pb.query_start_loc, pb.seq_lens, pb.block_table, pb.is_tree,
-                          pb.tree_mask, scale, q_len)
+                          pb.tree_mask, scale, q_len, **kwargs)
 
 
 def check_accuracy(grid, device, dtypes) -> list[dict]:
@@ -133,9 +133,12 @@ def time_attention(grid, device, dtype, repeats) -> list[dict]:
         q, k, v, pb, q_len = _paged(batch, ctx, nodes, 32, 8, 128, dtype, device, True, 1)
         causal = PagedBatch(pb.query_start_loc, pb.seq_lens, pb.block_table,
                             torch.zeros_like(pb.is_tree), pb.tree_mask)
-        tree_ms = timer(lambda: _kernel(q, k, v, pb, q_len, 128 ** -0.5), repeats)
-        causal_ms = timer(lambda: _kernel(q, k, v, causal, q_len, 128 ** -0.5), repeats)
-        seq = ctx + q_len   # SDPA over dense K/V: explicit boolean mask, and plain causal
+        seq = ctx + q_len   # the GPU backend passes the batch's longest sequence
+        tree_ms = timer(lambda: _kernel(q, k, v, pb, q_len, 128 ** -0.5, max_seq_len=seq),
+                        repeats)
+        causal_ms = timer(lambda: _kernel(q, k, v, causal, q_len, 128 ** -0.5,
+                                          max_seq_len=seq), repeats)
+        # SDPA over dense K/V: explicit boolean mask, and plain causal
         sdpa = torch.nn.functional.scaled_dot_product_attention
         dq = q.view(batch, q_len, 32, 128).transpose(1, 2)
         dk = torch.randn(batch, 32, seq, 128, device=device, dtype=dtype)

@@ -72,14 +72,16 @@ def score_and_select(
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     batch: PagedBatch, scale: float, max_query_len: int,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None,
+                    max_seq_len: int | None = None) -> torch.Tensor:
     """Mixed-batch paged attention with tree masks; see `attention.paged`. Writes into
-    `out` ([T, NH, D], q's layout) when given."""
+    `out` ([T, NH, D], q's layout) when given; `max_seq_len`, when known, lets the Triton
+    kernel size its key slices."""
     if use_triton(q):
         from vllm_dartree.csrc_triton.tree_attention import tree_attention
         return tree_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
                               batch.block_table, batch.is_tree, batch.tree_mask, scale,
-                              max_query_len, out=out)
+                              max_query_len, out=out, max_seq_len=max_seq_len)
     from vllm_dartree.attention.paged import paged_attention_reference
     result = paged_attention_reference(q, k_cache, v_cache, batch, scale)
     if out is None:

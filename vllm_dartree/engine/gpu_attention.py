@@ -91,7 +91,8 @@ class DARTreeGPUAttentionImpl(TreeAttentionImplBase):
     def attend(self, q, kv_cache, attn_metadata, out) -> None:
         k_cache, v_cache = kv_views(kv_cache, self.head_size)
         ops.paged_attention(q, k_cache, v_cache, attn_metadata.paged_batch(), self.scale,
-                            attn_metadata.max_query_len, out=out)
+                            attn_metadata.max_query_len, out=out,
+                            max_seq_len=attn_metadata.max_seq_len)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         key, value = self._rows(key, value, slot_mapping)
