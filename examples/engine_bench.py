@@ -17,6 +17,8 @@ is right; `oracle-adaptive` the same drafter under the adaptive budget.
 the plugin's worker and attention cost by themselves. `ngram` is vLLM's own prompt-lookup
 speculation. `fixed` is DARTree verifying `budget` nodes every round (`adaptive: false`).
 `dartree-nolookup` is DARTree (adaptive) without lookup branches (`lookup: false`).
+`dartree-conf` is DARTree (the defaults) planning with the target's confidence too
+(`VLLM_DARTREE_CONFIDENCE=1`, an opt-in experiment).
 `dartree-alt` is DARTree (the defaults) with the drafter of `--alt-drafter`, to compare two
 drafters in one run. `plain-sync` is plain decoding without vLLM's async scheduling, which
 vLLM turns off for every speculative method it does not list (dartree's `custom_class`
@@ -41,7 +43,7 @@ KV_CACHE_BYTES = 512 << 20
 
 METHODS = ("plain", "dartree", "ddtree", "chain", "oracle")
 EXTRA_METHODS = ("plugin-plain", "ngram", "fixed", "oracle-adaptive", "dartree-nolookup",
-                 "dartree-alt", "plain-sync")
+                 "dartree-alt", "plain-sync", "dartree-conf")
 
 
 def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
@@ -71,7 +73,7 @@ def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
         if not args.alt_drafter:
             raise SystemExit("dartree-alt needs --alt-drafter DIR")
         kw["speculative_config"] = {**tree, "model": args.alt_drafter}
-    elif method == "plugin-plain":
+    elif method in ("plugin-plain", "dartree-conf"):     # the switch is in the env
         kw["speculative_config"] = tree
     elif method == "fixed":
         kw["speculative_config"] = {**tree, "adaptive": False}
@@ -323,7 +325,8 @@ def main() -> None:
                 [p, o] for p, o in zip(prompts, table["outputs"])]}))
         for m in methods:
             if m != "plain":
-                env = {**common, **({"VLLM_DARTREE_PLAIN": "1"} if m == "plugin-plain" else {})}
+                env = {**common, **({"VLLM_DARTREE_PLAIN": "1"} if m == "plugin-plain" else {}),
+                       **({"VLLM_DARTREE_CONFIDENCE": "1"} if m == "dartree-conf" else {})}
                 sessions[m] = EngineSession(m, job(m), workdir, env)
         results = run_interleaved(sessions, args.concurrency, args.repeats)
     finally:

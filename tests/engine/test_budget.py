@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from vllm_dartree.engine.budget import BatchCosts, cut, plan_budgets, throughput
 from vllm_dartree.engine.calibration import AcceptanceCalibrator, isotonic_increasing
-from vllm_dartree.engine.controller import BIAS_DECAY, BIAS_PRIOR, TreeBudget, batch_class
+from vllm_dartree.engine.controller import (BIAS_DECAY, BIAS_PRIOR, CONF_RANGE, TreeBudget,
+                                            batch_class, confidence_bin)
 from vllm_dartree.engine.costs import DecayedLeastSquares, StepCosts
 from vllm_dartree.tree.lookup import DRAFTER
 
@@ -319,3 +320,57 @@ def test_selection_bias_is_kept_per_batch_class():
     pool = (observed + 1) / (predicted + 1)
     assert budget.shrink(True, 1) == pytest.approx(min(max(pool, 0.25), 1.0))   # no record
     assert [batch_class(n) for n in (1, 2, 4, 5, 8, 9, 64)] == [0, 1, 1, 2, 2, 3, 3]
+
+
+def test_confidence_factor_tells_steps_apart(monkeypatch):
+    """Trees planned after confident rows accept all 4 nodes, after unsure rows none: the
+    bins learn it (a factor well above 1, and the floor), two requests with the same last
+    tree are then predicted apart, the counters' prediction carries the factor, a request
+    or bin without a record is unscaled, and free() forgets the booking. Off by default:
+    confidences are then ignored."""
+    off = TreeBudget(max_nodes=6, max_depth=6)
+    assert not off.use_confidence
+    assert off.plan(["a"], [True], 1, confidence=[0.99]).factor is None
+    assert "a" not in off._conf_of
+    monkeypatch.setenv("VLLM_DARTREE_CONFIDENCE", "1")
+    budget = TreeBudget(max_nodes=6, max_depth=6)
+    budget.costs = StepCosts(plain_step=0.05)
+    scores, depths = np.full(4, -0.5), np.arange(1, 5)
+    for k in range(40):          # fresh requests: no per-request correction
+        plan = budget.plan([f"hi{k}", f"lo{k}"], [True, True], 2, confidence=[0.99, 0.1])
+        budget.observe_walk(f"hi{k}", True, scores, depths, [0, 1, 2, 3])
+        budget.observe_walk(f"lo{k}", True, scores, depths, [])
+    assert [confidence_bin(c) for c in (0.1, 0.3, 0.6, 0.9, 0.95, 0.99)] == [0, 1, 2, 4, 5, 5]
+    hi, lo = budget.confidence_factor(True, 0.97), budget.confidence_factor(True, 0.2)
+    assert hi > 1.5 and lo == CONF_RANGE[0]
+    assert budget.confidence_factor(True, 0.6) == 1.0       # no record in that bin
+    assert budget.confidence_factor(True, None) == 1.0
+    assert budget.confidence_factor(False, 0.99) == 1.0     # the other temperature class
+    for rid in ("x", "y", "z"):
+        budget._profiles[rid] = (scores, depths, None)
+    plan = budget.plan(["x", "y", "z"], [True] * 3, 3, confidence=[0.99, 0.1, None])
+    np.testing.assert_allclose(plan.factor, [hi, lo, 1.0])
+    gains, _, _ = budget._curves(["x", "y", "z"], [True] * 3, None, plan.factor)
+    p = budget.predict("z", True, scores, depths)           # unscaled
+    assert gains[2, 4] == pytest.approx(p.sum())
+    assert gains[1, 4] == pytest.approx(lo * p.sum())
+    assert gains[0, 4] == pytest.approx(np.minimum(p / budget.shrink(True) * hi, 1).sum()
+                                        * budget.shrink(True))
+    want = min(float(budget.calibrators[True, DRAFTER].predict(scores, depths, "x").sum())
+               * hi, 4.0) * budget.shrink(True)
+    before = budget.stats["predicted_accepted"]
+    budget.observe_walk("x", True, scores, depths, [0, 1, 2, 3])
+    assert budget.stats["predicted_accepted"] - before == pytest.approx(want)
+    assert "x" not in budget._conf_of and "y" in budget._conf_of
+    budget.free("y")
+    assert "y" not in budget._conf_of
+
+
+def test_top_probability_is_the_softmax_maximum():
+    import torch
+
+    from vllm_dartree.engine.tree_sampler import top_probability
+    logits = 3 * torch.randn(7, 50, generator=torch.Generator().manual_seed(0))
+    rows = np.array([0, 3, 6, 3])
+    want = torch.softmax(logits[rows], -1).max(-1).values.numpy()
+    np.testing.assert_allclose(top_probability(logits, rows), want, rtol=1e-6)

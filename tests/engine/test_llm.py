@@ -477,6 +477,22 @@ def test_adaptive_budget_plain_steps_skip_the_drafter(plain, dartree8):
     assert b["live_requests"] == 0, "per-request budget state outlived its requests"
 
 
+def test_confidence_planning_stays_exact(tiny, plain, prompts, tmp_path):
+    """The opt-in confidence factor (`VLLM_DARTREE_CONFIDENCE=1`) changes only which trees
+    are verified: greedy output is plain decoding's, and the trace shows the walks booked to
+    the confidence bins the sampler measured."""
+    from vllm_dartree.engine.trace import by_confidence, read_trace
+    trace = tmp_path / "trace.jsonl"
+    n = 8
+    got = run_job(tmp_path, engine_kwargs(tiny["target"], max_num_seqs=4,
+                                          speculative_config=dartree_spec(tiny["drafter"])),
+                  [{"prompts": prompts[:n], "params": _greedy(prompts)[:n]}],
+                  env={"VLLM_DARTREE_CONFIDENCE": "1", "VLLM_DARTREE_TRACE": str(trace)})
+    _assert_same(_tokens(got["batches"][0]), _tokens(plain["batches"][0][:n]), "confidence")
+    conf = by_confidence(read_trace(trace))
+    assert sum(r["trees"] for r in conf) > 0
+
+
 def _repeats(prompt, output, n=3):
     """Output tokens that continue an n-gram seen before in prompt + output."""
     seq, seen, hits = list(prompt) + list(output), set(), 0

@@ -8,7 +8,7 @@ import pytest
 
 from vllm_dartree.engine.controller import TreeBudget
 from vllm_dartree.engine.costs import StepCosts
-from vllm_dartree.engine.trace import main, read_trace, summarize
+from vllm_dartree.engine.trace import by_confidence, main, read_trace, summarize
 
 
 class _Engine:
@@ -70,16 +70,18 @@ def test_a_batch_size_without_plain_steps_has_no_realized_figure():
 def test_tree_budget_writes_its_trace(tmp_path, monkeypatch, capsys):
     path = tmp_path / "trace.jsonl"
     monkeypatch.setenv("VLLM_DARTREE_TRACE", str(path))
+    monkeypatch.setenv("VLLM_DARTREE_CONFIDENCE", "1")
     budget = TreeBudget(max_nodes=6, max_depth=6)
     budget.costs = StepCosts(plain_step=0.05)
     scores, depths = -0.1 * np.arange(1, 7), np.arange(1, 7)
     pending = 0                            # the last plan's tree, verified by the next step
-    for _ in range(30):                    # a drafter that is always right, in engine order
+    for k in range(30):                    # a drafter that is always right, in engine order
         verified, rows = budget.stats["steps"], 1 + pending
         if pending:
             budget.observe_walk("a", True, scores[:pending], depths[:pending],
                                 list(range(pending)))
-        plan = budget.plan(["a"], [True], 1)
+        # the target's confidence: alternately 0.99 and none (a step without one)
+        plan = budget.plan(["a"], [True], 1, confidence=[0.99 if k % 2 else None])
         pending = 0
         if plan.nodes[0]:
             budget.observe_draft(1, plan.depth, 0.01)
@@ -102,9 +104,18 @@ def test_tree_budget_writes_its_trace(tmp_path, monkeypatch, capsys):
     summary = summarize(events)
     assert sum(g["trees"] for g in summary) == budget.stats["rounds"]
     assert {g["kind"] for g in summary} >= {"explore", "tree"}
+    # walks of trees planned with a confidence carry its bin and the calibrators' raw
+    # prediction; the per-bin table adds them up
+    booked = [e for e in walks if e["conf"] is not None]
+    assert booked and all(e["conf"] == 5 for e in booked)
+    assert all(e["conf"] is None for e in walks if e not in booked)
+    conf = by_confidence(events)
+    assert [r["bin"] for r in conf] == [5] and conf[0]["trees"] == len(booked)
+    assert conf[0]["raw"] == pytest.approx(sum(e["raw"] for e in booked))
+    assert conf[0]["observed"] == pytest.approx(sum(e["observed"] for e in booked))
     main([str(path)])
     printed = capsys.readouterr().out
-    assert "realized" in printed and " tree " in printed
+    assert "realized" in printed and " tree " in printed and "0.95-1.00" in printed
 
 
 def test_no_trace_without_the_variable(monkeypatch):

@@ -115,8 +115,11 @@ class DraftingMixin:
         budget = self._dt_budget_for(drafter)
         plan = None
         if budget is not None:   # adaptive: who drafts, and how deep (none: a plain step)
+            confidence = None if step.confidence is None else [
+                float(step.confidence[i]) for i in draft_rows]
             plan = budget.plan(rids, greedy, num_reqs,
-                               None if lookup is None else [lookup.profile(f) for f in found])
+                               None if lookup is None else [lookup.profile(f) for f in found],
+                               confidence)
             keep = [j for j in range(len(rids)) if plan.nodes[j] > 0]
             if not keep:
                 return out

@@ -7,7 +7,9 @@ event to FILE (one engine per file):
   (0: no drafter pass), `rate` (planned tokens/s) and `plain_rate` (the same cost model's
   tokens/s for a plain step), `explore`;
 - `draft`: a drafter round (`requests`, `depths`, seconds `s`);
-- `walk`: a verified tree (`nodes`, `predicted` and `observed` accepted tokens);
+- `walk`: a verified tree (`nodes`, `predicted` and `observed` accepted tokens; `raw`: the
+  calibrators' prediction before the plan's corrections; `conf`: the confidence bin its plan
+  saw, or null);
 - `step`: a decode step's seconds `s` without drafting, its `rows`, whether it verified
   trees, and `plan`: the `id` of the plan whose trees it verified.
 
@@ -17,7 +19,9 @@ plain steps of the same batch would have taken for the same tokens (the mean pla
 that size in the trace) against what they took, drafting included, beside what the plan
 expected. Tree steps whose realized speed-up sits below 1 are steps the budget should not
 have taken; a planned speed-up far from the realized one says which of its estimates (the
-calibration: predicted vs observed tokens; the costs) is off.
+calibration: predicted vs observed tokens; the costs) is off. A second table gives, per
+confidence bin, the trees verified, their calibrated (`raw`) and observed accepted tokens:
+what the confidence factor learns from (`controller.confidence_factor`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["BudgetTrace", "TRACE_ENV", "read_trace", "summarize", "main"]
+__all__ = ["BudgetTrace", "TRACE_ENV", "read_trace", "summarize", "by_confidence", "main"]
 
 TRACE_ENV = "VLLM_DARTREE_TRACE"
 
@@ -135,6 +139,24 @@ def summarize(events: Iterable[dict]) -> list[dict]:
     return rows
 
 
+def by_confidence(events: Iterable[dict]) -> list[dict]:
+    """Per confidence bin of the walks that carry one: trees, calibrated (`raw`) and observed
+    accepted tokens."""
+    from vllm_dartree.engine.controller import CONF_EDGES
+    edges = [0.0, *CONF_EDGES.tolist(), 1.0]
+    rows = {}
+    for e in events:
+        if e["k"] != "walk" or e.get("conf") is None or "raw" not in e:
+            continue
+        b = int(e["conf"])
+        row = rows.setdefault(b, {"bin": b, "low": edges[b], "high": edges[b + 1], "trees": 0,
+                                  "raw": 0.0, "observed": 0.0})
+        row["trees"] += 1
+        row["raw"] += e["raw"]
+        row["observed"] += e["observed"]
+    return [rows[b] for b in sorted(rows)]
+
+
 def _format(rows: list[dict]) -> str:
     lines = [f"{'running':>7} {'kind':<8} {'steps':>6} {'seconds':>8} {'realized':>9} "
              f"{'planned':>8} {'trees':>6} {'pred/tree':>9} {'obs/tree':>9}"]
@@ -161,6 +183,16 @@ def main(argv: list[str] | None = None) -> None:
           "included); planned: the\nplan's own expectation. pred/obs per tree: accepted "
           "tokens predicted and observed.")
     print(_format(rows))
+    conf = by_confidence(read_trace(args.trace))
+    if conf:
+        print("\nby the target's confidence at the row before the tree (its top probability): "
+              "trees,\naccepted tokens per tree as calibrated (before the plan's corrections) "
+              "and observed")
+        print(f"{'confidence':<11} {'trees':>6} {'raw/tree':>9} {'obs/tree':>9} {'obs/raw':>8}")
+        for r in conf:
+            print(f"{r['low']:.2f}-{r['high']:.2f}  {r['trees']:>6} "
+                  f"{r['raw'] / r['trees']:>9.2f} {r['observed'] / r['trees']:>9.2f} "
+                  f"{r['observed'] / max(r['raw'], 1e-9):>8.2f}")
 
 
 if __name__ == "__main__":

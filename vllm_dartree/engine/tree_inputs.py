@@ -75,3 +75,5 @@ class StepTrees:
     decode_only: bool = False   # every request decodes (no prompt chunk): a step to time
     tree_mask: torch.Tensor | None = None
     accepted: list[list[int]] | None = None   # accepted node indices, set by _sample
+    confidence: np.ndarray | None = None      # [R] target's top probability at each
+    #                                           request's last sampled row, set by _sample

@@ -19,7 +19,18 @@ from vllm_dartree.engine.tree_inputs import StepTrees
 from vllm_dartree.tree import TreeBatch
 from vllm_dartree.tree.verify import sample_target_tokens, walk
 
-__all__ = ["TreeSamplerMixin", "full_sampler_fields", "needs_full_sampler", "position_noise"]
+__all__ = ["TreeSamplerMixin", "full_sampler_fields", "needs_full_sampler", "position_noise",
+           "top_probability"]
+
+
+def top_probability(logits: torch.Tensor, rows) -> np.ndarray:
+    """The probability of the likeliest token at each of `rows` of `logits` [T, V] (the
+    softmax at temperature 1), on the host: the adaptive budget's confidence signal."""
+    sel = logits.index_select(0, torch.as_tensor(rows, dtype=torch.long, device=logits.device))
+    # 1 / sum(exp(l - max)): amax and one exp pass (one thread here: about 60 us a row of
+    # 49,152 logits; `max` with indices and `logsumexp` took 2.7x that)
+    shifted = sel.float() - sel.amax(-1, keepdim=True).float()
+    return (1.0 / shifted.exp_().sum(-1)).cpu().numpy()
 
 
 # SamplingParams fields the tree walk implements (`tree.verify`: temperature, top-k, top-p,
@@ -136,6 +147,8 @@ class TreeSamplerMixin:
     def _dt_sample(self, logits, spec_decode_metadata):
         step = self._dt_step
         if spec_decode_metadata is None or step is None:
+            if step is not None and logits.shape[0] == len(step.req_ids):
+                self._dt_confidence(logits, step, range(len(step.req_ids)))
             return super()._sample(logits, spec_decode_metadata)
         from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 
@@ -152,6 +165,7 @@ class TreeSamplerMixin:
             # vLLM's own sampler from the root rows, as without speculation (the same
             # seeded draws)
             step.accepted = [[] for _ in num]
+            self._dt_confidence(logits, step, offsets)
             self.input_batch.update_async_output_token_ids()
             stock = self.sampler(logits=logits[roots],
                                  sampling_metadata=self.input_batch.sampling_metadata)
@@ -192,8 +206,19 @@ class TreeSamplerMixin:
         counts = result.num_accepted.tolist()
         nodes = result.accepted_nodes.tolist()
         step.accepted = [nodes[i][:c] if num[i] else [] for i, c in enumerate(counts)]
+        # the row each request's last token was sampled from: its last accepted node's
+        self._dt_confidence(logits, step, [int(offsets[i]) + (1 + acc[-1] if acc else 0)
+                                           for i, acc in enumerate(step.accepted)])
         self._dt_observe_walks(step, num)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
+
+    def _dt_confidence(self, logits: torch.Tensor, step: StepTrees, rows) -> None:
+        """step.confidence: `top_probability` at each request's last sampled row, for the
+        adaptive budget's next plan; computed only when the budget uses it
+        (`VLLM_DARTREE_CONFIDENCE=1`)."""
+        budget = getattr(self, "_dt_budget", None)
+        if budget is not None and budget.use_confidence:
+            step.confidence = top_probability(logits, list(rows))
 
     def _dt_greedy(self, rid) -> bool:
         sp = getattr(self.requests.get(rid), "sampling_params", None)
