@@ -215,25 +215,24 @@ class TreeBudget:
         `confidence[i]`: the target's probability of its likeliest token at request i's last
         sampled row (`confidence_factor`; None: unknown)."""
         self._class = batch_class(num_running)
-        factors, memo = np.ones(len(rids)), {}
-        if not self.use_confidence:
-            confidence = None
-        for i, (rid, g) in enumerate(zip(rids, greedy)):
-            c = None if confidence is None else confidence[i]
-            if c is None:
-                self._conf_of.pop(rid, None)
-                continue
-            cell = (bool(g), confidence_bin(c))
-            if cell not in memo:
-                memo[cell] = self.confidence_factor(g, c)
-            factors[i] = memo[cell]
-            self._conf_of[rid] = (cell[1], memo[cell])
+        factors = None
+        if confidence is not None and self.use_confidence:   # off by default: no loop
+            factors, memo = np.ones(len(rids)), {}
+            for i, (rid, g, c) in enumerate(zip(rids, greedy, confidence)):
+                if c is None:
+                    self._conf_of.pop(rid, None)
+                    continue
+                cell = (bool(g), confidence_bin(c))
+                if cell not in memo:
+                    memo[cell] = self.confidence_factor(g, c)
+                factors[i] = memo[cell]
+                self._conf_of[rid] = (cell[1], memo[cell])
         plan, unknown = self._plan(rids, greedy, num_running, lookup, factors)   # ~1 ms at 16
         if lookup is not None:   # how often lookup had something, and how often it was used
             offered = np.array([f is not None for f in lookup], dtype=bool)
             self.stats["lookup_offered"] += int(offered.sum())
             self.stats["lookup_offered_planned"] += int((offered & (plan.nodes > 0)).sum())
-        out = self._finish(plan, unknown, None if confidence is None else factors)
+        out = self._finish(plan, unknown, factors)
         if self.trace is not None:
             self.trace.event("plan", id=self.stats["steps"], running=num_running,
                              requests=len(rids),
