@@ -32,16 +32,19 @@ def test_publisher_rate_limits_changes_but_not_idle_or_faults(tmp_path, monkeypa
     assert read() == _state()                               # idle (leak check): at once
     clock[0] += 0.1
     pub.publish(_state(drafter_contexts=3))
-    assert read() == _state()
+    assert read() == _state(drafter_contexts=3)             # busy again after idle: at once
+    clock[0] += 0.1
+    pub.publish(_state(drafter_contexts=4))
+    assert read() == _state(drafter_contexts=3)             # rate-limited again ...
     clock[0] += 1.0
-    pub.publish(_state(drafter_contexts=3))
-    assert read() == _state(drafter_contexts=3)             # after min_interval
+    pub.publish(_state(drafter_contexts=4))
+    assert read() == _state(drafter_contexts=4)             # ... until min_interval
     path.write_text(json.dumps({"marker": 1}))
     clock[0] += 1.0
-    pub.publish(_state(drafter_contexts=3))
+    pub.publish(_state(drafter_contexts=4))
     assert json.loads(path.read_text()) == {"marker": 1}    # unchanged: no write ...
     clock[0] += 5.0
-    pub.publish(_state(drafter_contexts=3))
-    assert read() == _state(drafter_contexts=3)             # ... until `refresh`
+    pub.publish(_state(drafter_contexts=4))
+    assert read() == _state(drafter_contexts=4)             # ... until `refresh`
     pub.close()
     assert not path.exists()

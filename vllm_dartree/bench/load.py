@@ -251,7 +251,7 @@ class Server:
 class _PeakSampler:
     """The live-state gauge's largest reading per kind while a wave runs (it must move)."""
 
-    def __init__(self, server: Server, every: float = 0.5):
+    def __init__(self, server: Server, every: float = 0.2):
         self.server, self.every = server, every
         self.peak: dict[str, float] = {}
         self._stop = threading.Event()

@@ -47,7 +47,9 @@ class StatePublisher:
     """Writes the worker's counts when they change, at most every `min_interval` s (a write
     costs about 0.8 ms on this CPU, and with trees every other step the counts change every
     other step), at once when a request's state may have leaked (every live count back to
-    0) or a fault was counted, and every `refresh` s if nothing changes."""
+    0), when the worker turns busy again after such an idle write (so a burst shorter than
+    `min_interval` is still seen), or when a fault was counted, and every `refresh` s if
+    nothing changes."""
 
     def __init__(self, path: Path | None, refresh: float = 5.0, min_interval: float = 1.0):
         self.path, self.refresh, self.min_interval = path, refresh, min_interval
@@ -76,7 +78,9 @@ class StatePublisher:
 
     def _urgent(self, state: dict[str, int]) -> bool:
         last = self._last or {}
-        return (not any(state.get(k, 0) for k in LIVE_KINDS)
+        idle = not any(state.get(k, 0) for k in LIVE_KINDS)
+        was_idle = not any(last.get(k, 0) for k in LIVE_KINDS)
+        return (idle or was_idle
                 or any(state.get(k, 0) != last.get(k, 0) for k in FAULT_KINDS))
 
     def close(self) -> None:
