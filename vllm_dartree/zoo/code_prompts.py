@@ -20,7 +20,7 @@ import sysconfig
 import textwrap
 from pathlib import Path
 
-__all__ = ["TASKS", "code_prompts", "main"]
+__all__ = ["TASKS", "code_prompts", "solve_prompts", "main"]
 
 TASKS = (
     "Complete this Python function. Reply with the whole function.\n\n```python\n{head}\n```",
@@ -78,17 +78,37 @@ def _functions(path: Path, min_lines: int, max_lines: int) -> list[tuple[str, st
     return out
 
 
+def _items(min_lines: int, max_lines: int, root: Path | None) -> list[tuple[str, str]]:
+    root = root or Path(sysconfig.get_paths()["stdlib"])
+    return sorted({f for path in _files(root) for f in _functions(path, min_lines, max_lines)},
+                  key=lambda f: f[1])
+
+
+def _spread(items: list, limit: int | None, offset: float = 0.0) -> list:
+    """`limit` of the items spread evenly over all of them, from `offset` strides in."""
+    if limit and limit < len(items):
+        stride = len(items) / limit
+        items = [items[int((i + offset) * stride)] for i in range(limit)]
+    return items
+
+
 def code_prompts(limit: int | None = None, min_lines: int = 6, max_lines: int = 40,
                  root: Path | None = None) -> list[str]:
     """Training prompts over standard-library functions, `limit` of them spread evenly."""
-    root = root or Path(sysconfig.get_paths()["stdlib"])
-    items = sorted({f for path in _files(root) for f in _functions(path, min_lines, max_lines)},
-                   key=lambda f: f[1])
-    if limit and limit < len(items):
-        stride = len(items) / limit
-        items = [items[int(i * stride)] for i in range(limit)]
     return [TASKS[i % len(TASKS)].format(head=head, source=source)
-            for i, (head, source) in enumerate(items)]
+            for i, (head, source) in enumerate(_spread(_items(min_lines, max_lines, root),
+                                                       limit))]
+
+
+def solve_prompts(limit: int | None = None, min_lines: int = 6, max_lines: int = 40,
+                  root: Path | None = None) -> list[str]:
+    """HumanEval-shaped requests (the evaluation's own wording, `bench.datasets`) over
+    documented standard-library functions: "write a solution" to a signature and docstring.
+    Half a stride away from `code_prompts`' picks, so the two lists share few functions."""
+    from vllm_dartree.bench.datasets import CODE_TEMPLATE
+    documented = [head for head, _ in _items(min_lines, max_lines, root)
+                  if '"""' in head or "'''" in head]
+    return [CODE_TEMPLATE.format(head) for head in _spread(documented, limit, 0.5)]
 
 
 def main(argv: list[str] | None = None) -> None:

