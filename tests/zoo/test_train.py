@@ -280,3 +280,39 @@ def test_experiments_run_resume_and_tabulate(setup, tmp_path, capsys):
     assert set(results) == {"baseline@3", "lr-constant@3"}
     experiments(argv)                                       # finished runs are not redone
     assert "[1/2]" not in capsys.readouterr().out
+
+
+def test_cli_trains_exports_and_measures_a_second_held_out_set(setup, tmp_path, capsys):
+    """`zoo.train` end to end on zoo.data-shaped shards: it trains, exports, and reports the
+    --eval-data set's acceptance (in its first 48 tokens) as held_out_acceptance computes it,
+    both while training and with --evaluate."""
+    from vllm_dartree.zoo.features import load_shards
+    from vllm_dartree.zoo.train import EARLY_WINDOW, held_out_acceptance, main
+
+    def write(folder, shards):
+        folder.mkdir()
+        torch.save([{"tokens": s.tokens, "features": s.features.to(torch.bfloat16),
+                     "prompt_len": 6} for s in shards], folder / "features-00000.pt")
+        return folder
+
+    data = write(tmp_path / "data", setup["shards"][:7])
+    extra = write(tmp_path / "extra", setup["shards"][7:])
+    common = ["--target", str(setup["target_dir"]), "--data", str(data), "--layers",
+              ",".join(map(str, LAYERS)), "--block-size", "6", "--gru-hidden", "32",
+              "--emb-dim", "16", "--draft-vocab", "0", "--held-out", "2", "--precision", "fp32",
+              "--eval-data", str(extra)]
+    main(common + ["--workdir", str(tmp_path / "run"), "--steps", "10", "--log-every", "1",
+                   "--export", str(tmp_path / "drafter")])
+    trained = capsys.readouterr().out
+    assert "step 10: held-out accepted" in trained and "; --eval-data " in trained
+    main(common + ["--evaluate", str(tmp_path / "drafter")])
+    line = [x for x in capsys.readouterr().out.splitlines() if str(extra) in x]
+    t = setup["target"]
+    drafter = load_drafter(tmp_path / "drafter",
+                           TargetInfo(t.config.hidden_size, t.config.vocab_size,
+                                      t.config.num_hidden_layers),
+                           t.get_input_embeddings().weight.detach(),
+                           t.get_output_embeddings().weight.detach(), dtype=torch.float32)
+    want = held_out_acceptance(drafter.backbone, drafter.head,
+                               load_shards([extra / "features-00000.pt"]), EARLY_WINDOW)
+    assert len(line) == 1 and f"accepted {want:.3f} (3 sequences" in line[0]

@@ -382,6 +382,10 @@ def main(argv: list[str] | None = None) -> float | None:
     parser.add_argument("--anchors", type=int, default=TrainConfig.anchors_per_sequence,
                         help="anchors per sequence and step")
     parser.add_argument("--held-out", type=int, default=16)
+    parser.add_argument("--eval-data", type=Path, metavar="DIR",
+                        help="a second held-out set, every sequence of another zoo.data workdir "
+                             "(e.g. the target's responses to bench.tau's prompts), measured "
+                             f"in its responses' first {EARLY_WINDOW} tokens")
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                         help="matrix products in bf16 autocast (fp32 master weights) or fp32; "
@@ -403,6 +407,8 @@ def main(argv: list[str] | None = None) -> float | None:
     for source in SOURCES[1:]:
         shards += load_shards(sorted(args.data.glob(f"{source}-features-*.pt")))
     held, train = shards[:args.held_out], shards[args.held_out:]
+    extra = (load_shards(sorted(args.eval_data.glob("features-*.pt")),
+                         args.eval_data / "responses.jsonl") if args.eval_data else [])
     if args.evaluate:
         from vllm_dartree.drafter import TargetInfo, load_drafter
         drafter = load_drafter(args.evaluate, TargetInfo(tcfg.hidden_size, tcfg.vocab_size,
@@ -412,6 +418,10 @@ def main(argv: list[str] | None = None) -> float | None:
         early = held_out_acceptance(drafter.backbone, drafter.head, held, EARLY_WINDOW)
         print(f"{args.evaluate}: held-out accepted {accepted:.3f} ({len(held)} sequences x "
               f"16 anchors; {early:.3f} in the responses' first {EARLY_WINDOW} tokens)")
+        if extra:
+            print(f"{args.evaluate}: {args.eval_data} accepted "
+                  f"{held_out_acceptance(drafter.backbone, drafter.head, extra, EARLY_WINDOW):.3f}"
+                  f" ({len(extra)} sequences, first {EARLY_WINDOW} tokens)")
         return accepted
     vocab = _draft_vocab(args, train, held, tcfg)
     spec = spec_for_target(tcfg, layer_ids, args.draft_layers, args.block_size,
@@ -446,8 +456,9 @@ def main(argv: list[str] | None = None) -> float | None:
                   f"{record['tf_accept']:.2f}, {rate:.1f} s/step", flush=True)
         if trainer.step % (10 * args.log_every) == 0 and held:
             print(f"step {trainer.step}: held-out accepted {trainer.evaluate(held):.2f} "
-                  f"(first {EARLY_WINDOW} tokens: {trainer.evaluate(held, EARLY_WINDOW):.2f})",
-                  flush=True)
+                  f"(first {EARLY_WINDOW} tokens: {trainer.evaluate(held, EARLY_WINDOW):.2f})"
+                  + (f"; --eval-data {trainer.evaluate(extra, EARLY_WINDOW):.2f}" if extra
+                     else ""), flush=True)
     if args.export:
         export_domino(trainer, args.export, tcfg.num_hidden_layers)
         print(f"wrote {args.export}")
