@@ -28,13 +28,12 @@ from pathlib import Path
 
 import torch
 
-from vllm_dartree.zoo.features import load_shards
+from vllm_dartree.zoo.features import SOURCES, load_shards
 
 __all__ = ["SOURCES", "write_prompts", "generate_responses", "write_features", "load_shards",
            "main"]
 
 SHARD = 64
-SOURCES = ("sharegpt", "code", "math", "solve")   # the order training reads them in
 
 
 def _prompts_of(source: str, count: int) -> list[str]:

@@ -10,7 +10,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FeatureShard", "load_shards"]
+__all__ = ["SOURCES", "FeatureShard", "load_shards"]
+
+# the prompt sources of `zoo.data`, in the order training reads their shards (ShareGPT first:
+# the held-out sequences come from it); SOURCE-features-*.pt for all but the first
+SOURCES = ("sharegpt", "code", "math", "solve")
 
 
 @dataclass

@@ -31,8 +31,7 @@ from safetensors.torch import save_file
 
 from vllm_dartree.drafter import DFlashBackbone, DominoGRUHead, DrafterSpec
 from vllm_dartree.drafter.checkpoint import DRAFT_VOCAB_KEY
-from vllm_dartree.zoo.data import SOURCES
-from vllm_dartree.zoo.features import FeatureShard, load_shards
+from vllm_dartree.zoo.features import SOURCES, FeatureShard, load_shards
 
 __all__ = ["TrainConfig", "FeatureShard", "DrafterTrainer", "domino_loss", "export_domino",
            "held_out_acceptance", "spec_for_target", "main"]
