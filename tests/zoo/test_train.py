@@ -316,3 +316,6 @@ def test_cli_trains_exports_and_measures_a_second_held_out_set(setup, tmp_path, 
     want = held_out_acceptance(drafter.backbone, drafter.head,
                                load_shards([extra / "features-00000.pt"]), EARLY_WINDOW)
     assert len(line) == 1 and f"accepted {want:.3f} (3 sequences" in line[0]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):   # a folder without shards is an error, not silence
+        main(common[:-1] + [str(tmp_path / "empty"), "--evaluate", str(tmp_path / "drafter")])

@@ -408,6 +408,9 @@ def main(argv: list[str] | None = None) -> float | None:
     held, train = shards[:args.held_out], shards[args.held_out:]
     extra = (load_shards(sorted(args.eval_data.glob("features-*.pt")),
                          args.eval_data / "responses.jsonl") if args.eval_data else [])
+    if args.eval_data and not extra:
+        parser.error(f"--eval-data {args.eval_data}: no features-*.pt there (zoo.data writes "
+                     "them)")
     if args.evaluate:
         from vllm_dartree.drafter import TargetInfo, load_drafter
         drafter = load_drafter(args.evaluate, TargetInfo(tcfg.hidden_size, tcfg.vocab_size,
