@@ -48,3 +48,23 @@ def test_responses_and_features(tmp_path, monkeypatch):
     assert [s.first_anchor for s in load_shards(paths)][0] == 0
     assert [s.first_anchor for s in load_shards(paths, out)] == [len(r["prompt_ids"])
                                                                 for r in rows]
+
+
+def test_a_larger_count_appends_prompts_after_the_ones_answered(tmp_path, monkeypatch):
+    """The prompts file's order is its responses' order: asking for more keeps every line
+    and appends the source's new prompts (none twice), so generation resumes after them."""
+    from vllm_dartree.zoo import data
+
+    pool = [f"p{i}" for i in range(20)]
+    # like solve_prompts: a larger count spreads over the pool, so it is not a prefix
+    monkeypatch.setattr(data, "_prompts_of", lambda source, n: pool[::max(1, 20 // n)][:n])
+    read = lambda p: [json.loads(line)["prompt"] for line in open(p)]  # noqa: E731
+    path = data.write_prompts(tmp_path, 4, "solve")
+    assert path.name == "solve-prompts.jsonl" and read(path) == ["p0", "p5", "p10", "p15"]
+    data.write_prompts(tmp_path, 4, "solve")                       # same count: unchanged
+    data.write_prompts(tmp_path, 3, "solve")                       # fewer: never cut
+    assert read(path) == ["p0", "p5", "p10", "p15"]
+    data.write_prompts(tmp_path, 10, "solve")
+    got = read(path)
+    assert got[:4] == ["p0", "p5", "p10", "p15"] and len(got) == 10 == len(set(got))
+    assert got[4:] == [p for p in pool[::2] if p not in got[:4]][:6]

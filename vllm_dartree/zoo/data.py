@@ -15,7 +15,9 @@
    layers are stored (bf16) with the tokens in shards of 64 sequences (features-*.pt,
    SOURCE-features-*.pt).
 Every stage skips what a previous run finished, so the command can be re-run after a cut;
-`--stage` stops after one stage (e.g. generate on one machine, features on another).
+`--stage` stops after one stage (e.g. generate on one machine, features on another). A larger
+count later (e.g. --solve-prompts 704 after 192) keeps the prompts already answered and
+appends the source's others after them, so the old responses and shards stay valid.
 """
 
 from __future__ import annotations
@@ -53,11 +55,20 @@ def _prompts_of(source: str, count: int) -> list[str]:
 
 
 def write_prompts(workdir: Path, count: int, source: str = "sharegpt") -> Path:
-    """prompts.jsonl (ShareGPT) or SOURCE-prompts.jsonl (the others), written once."""
+    """prompts.jsonl (ShareGPT) or SOURCE-prompts.jsonl (the others). A file that exists is
+    never rewritten (its responses follow its order); a larger `count` appends the new
+    source's prompts not already in it, so generation and features resume after the last."""
     path = workdir / ("prompts.jsonl" if source == "sharegpt" else f"{source}-prompts.jsonl")
-    if not path.exists():
-        prompts = _prompts_of(source, count)
-        path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    have = ([json.loads(line)["prompt"] for line in open(path) if line.strip()]
+            if path.exists() else [])
+    if len(have) < count or not path.exists():
+        seen = set(have)
+        extra = [p for p in dict.fromkeys(_prompts_of(source, count)) if p not in seen]
+        extra = extra[:count - len(have)]
+        with open(path, "a") as f:
+            f.write("".join(json.dumps({"prompt": p}) + "\n" for p in extra))
+        if have and extra:
+            print(f"{path.name}: {len(have)} prompts kept, {len(extra)} added", flush=True)
     return path
 
 
