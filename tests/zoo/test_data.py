@@ -68,3 +68,22 @@ def test_a_larger_count_appends_prompts_after_the_ones_answered(tmp_path, monkey
     got = read(path)
     assert got[:4] == ["p0", "p5", "p10", "p15"] and len(got) == 10 == len(set(got))
     assert got[4:] == [p for p in pool[::2] if p not in got[:4]][:6]
+
+
+def test_prompts_restored_from_committed_responses_keep_their_order(tmp_path, monkeypatch):
+    """A folder holding only responses (data/smollm2's, unpacked) gets a prompts file that
+    starts with their prompts in their order, so generation resumes after the last."""
+    from vllm_dartree.zoo import data
+
+    pool = [f"p{i}" for i in range(20)]
+    monkeypatch.setattr(data, "_prompts_of", lambda source, n: pool[::max(1, 20 // n)][:n])
+    answered = ["p7", "p0", "p3"]                   # not what _prompts_of(3) would give
+    (tmp_path / "code-responses.jsonl").write_text(
+        "".join(json.dumps({"prompt": p, "prompt_ids": [1], "output_ids": [2]}) + "\n"
+                for p in answered))
+    path = data.write_prompts(tmp_path, 5, "code")
+    got = [json.loads(line)["prompt"] for line in open(path)]
+    assert got[:3] == answered and len(got) == 5 == len(set(got))
+    (tmp_path / "code-prompts.jsonl").unlink()
+    path = data.write_prompts(tmp_path, 2, "code")  # fewer than answered: all of them kept
+    assert [json.loads(line)["prompt"] for line in open(path)] == answered

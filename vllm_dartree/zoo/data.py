@@ -57,16 +57,23 @@ def _prompts_of(source: str, count: int) -> list[str]:
 def write_prompts(workdir: Path, count: int, source: str = "sharegpt") -> Path:
     """prompts.jsonl (ShareGPT) or SOURCE-prompts.jsonl (the others). A file that exists is
     never rewritten (its responses follow its order); a larger `count` appends the new
-    source's prompts not already in it, so generation and features resume after the last."""
+    source's prompts not already in it, so generation and features resume after the last.
+    Without the file, responses already present give its first lines."""
     path = workdir / ("prompts.jsonl" if source == "sharegpt" else f"{source}-prompts.jsonl")
-    have = ([json.loads(line)["prompt"] for line in open(path) if line.strip()]
-            if path.exists() else [])
+    answered = workdir / ("responses.jsonl" if source == "sharegpt"
+                          else f"{source}-responses.jsonl")
+    # a folder restored from committed responses (data/smollm2) starts from their prompts
+    known = path if path.exists() else answered if answered.exists() else None
+    have = [json.loads(line)["prompt"] for line in open(known) if line.strip()] if known else []
     if len(have) < count or not path.exists():
-        seen = set(have)
-        extra = [p for p in dict.fromkeys(_prompts_of(source, count)) if p not in seen]
-        extra = extra[:count - len(have)]
+        extra = []
+        if len(have) < count:
+            seen = set(have)
+            extra = [p for p in dict.fromkeys(_prompts_of(source, count)) if p not in seen]
+            extra = extra[:count - len(have)]
+        lines = extra if path.exists() else have + extra
         with open(path, "a") as f:
-            f.write("".join(json.dumps({"prompt": p}) + "\n" for p in extra))
+            f.write("".join(json.dumps({"prompt": p}) + "\n" for p in lines))
         if have and extra:
             print(f"{path.name}: {len(have)} prompts kept, {len(extra)} added", flush=True)
     return path
