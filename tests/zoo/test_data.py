@@ -87,3 +87,23 @@ def test_prompts_restored_from_committed_responses_keep_their_order(tmp_path, mo
     (tmp_path / "code-prompts.jsonl").unlink()
     path = data.write_prompts(tmp_path, 2, "code")  # fewer than answered: all of them kept
     assert [json.loads(line)["prompt"] for line in open(path)] == answered
+
+
+def test_bench_prompts_are_the_first_of_each_tau_table_set(tmp_path, monkeypatch):
+    """--bench-prompts N: the first N prompts of each of bench.tau's default sets, set by set
+    (the evaluation set zoo.train --eval-data reads)."""
+    from types import SimpleNamespace
+
+    from vllm_dartree.bench import datasets
+    from vllm_dartree.bench.tau import DEFAULT_DATASETS
+    from vllm_dartree.zoo import data
+
+    def load_prompts(name, limit=None):
+        rows = [SimpleNamespace(prompt=f"{name}/{i}") for i in range(10)]
+        return rows[:limit] if limit else rows
+
+    monkeypatch.setattr(datasets, "load_prompts", load_prompts)
+    path = data.write_prompts(tmp_path, 2 * len(DEFAULT_DATASETS), "bench")
+    assert path.name == "bench-prompts.jsonl"
+    assert [json.loads(line)["prompt"] for line in open(path)] == [
+        f"{name}/{i}" for name in DEFAULT_DATASETS for i in range(2)]

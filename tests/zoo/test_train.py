@@ -316,6 +316,16 @@ def test_cli_trains_exports_and_measures_a_second_held_out_set(setup, tmp_path, 
     want = held_out_acceptance(drafter.backbone, drafter.head,
                                load_shards([extra / "features-00000.pt"]), EARLY_WINDOW)
     assert len(line) == 1 and f"accepted {want:.3f} (3 sequences" in line[0]
+    # zoo.data --bench-prompts: read as evaluation data, refused as training data
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (extra / "features-00000.pt").rename(bench / "bench-features-00000.pt")
+    main(common[:-1] + [str(bench), "--evaluate", str(tmp_path / "drafter")])
+    assert f"{bench} accepted {want:.3f} (3 sequences" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(common[:3] + [str(bench)] + common[4:] + ["--workdir", str(tmp_path / "run2"),
+                                                     "--steps", "1"])
+    assert "never for training" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit):   # a folder without shards is an error, not silence
         main(common[:-1] + [str(tmp_path / "empty"), "--evaluate", str(tmp_path / "drafter")])

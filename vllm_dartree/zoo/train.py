@@ -344,6 +344,14 @@ def _draft_vocab(args, train: list[FeatureShard], held: list[FeatureShard], tcfg
     return vocab
 
 
+def _folder_shards(folder: Path, sources: tuple[str, ...]) -> list[FeatureShard]:
+    """A zoo.data folder's sequences, source by source (ShareGPT's features-*.pt first)."""
+    shards = load_shards(sorted(folder.glob("features-*.pt")), folder / "responses.jsonl")
+    for source in sources[1:]:
+        shards += load_shards(sorted(folder.glob(f"{source}-features-*.pt")))
+    return shards
+
+
 def main(argv: list[str] | None = None) -> float | None:
     """Train (or --evaluate); returns the final held-out acceptance (None without one)."""
     parser = argparse.ArgumentParser(
@@ -383,7 +391,8 @@ def main(argv: list[str] | None = None) -> float | None:
     parser.add_argument("--held-out", type=int, default=16)
     parser.add_argument("--eval-data", type=Path, metavar="DIR",
                         help="a second held-out set, every sequence of another zoo.data workdir "
-                             "(e.g. the target's responses to bench.tau's prompts), measured "
+                             "(e.g. zoo.data --prompts 0 --bench-prompts 4: the target's "
+                             "responses to bench.tau's prompts), measured "
                              f"in its responses' first {EARLY_WINDOW} tokens")
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
@@ -401,16 +410,16 @@ def main(argv: list[str] | None = None) -> float | None:
     embed = target.get_input_embeddings().weight.detach()
     head = target.get_output_embeddings().weight.detach()
     layer_ids = [int(i) for i in args.layers.split(",")]
+    if list(args.data.glob("bench-features-*.pt")):
+        parser.error(f"--data {args.data} holds responses to the tau table's own prompts "
+                     "(zoo.data --bench-prompts): they are for --eval-data, never for training")
     # ShareGPT shards first (the held-out sequences come from them), then the other sources
-    shards = load_shards(sorted(args.data.glob("features-*.pt")), args.data / "responses.jsonl")
-    for source in SOURCES[1:]:
-        shards += load_shards(sorted(args.data.glob(f"{source}-features-*.pt")))
+    shards = _folder_shards(args.data, SOURCES)
     held, train = shards[:args.held_out], shards[args.held_out:]
-    extra = (load_shards(sorted(args.eval_data.glob("features-*.pt")),
-                         args.eval_data / "responses.jsonl") if args.eval_data else [])
+    extra = _folder_shards(args.eval_data, SOURCES + ("bench",)) if args.eval_data else []
     if args.eval_data and not extra:
-        parser.error(f"--eval-data {args.eval_data}: no features-*.pt there (zoo.data writes "
-                     "them)")
+        parser.error(f"--eval-data {args.eval_data}: no features-*.pt or SOURCE-features-*.pt "
+                     "there (zoo.data writes them)")
     if args.evaluate:
         from vllm_dartree.drafter import TargetInfo, load_drafter
         drafter = load_drafter(args.evaluate, TargetInfo(tcfg.hidden_size, tcfg.vocab_size,
