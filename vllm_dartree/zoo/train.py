@@ -402,6 +402,9 @@ def main(argv: list[str] | None = None) -> float | None:
     args = parser.parse_args(argv)
     if args.workdir is None and args.evaluate is None:
         parser.error("--workdir is required to train")
+    if list(args.data.glob("bench-features-*.pt")):
+        parser.error(f"--data {args.data} holds responses to the tau table's own prompts "
+                     "(zoo.data --bench-prompts): they are for --eval-data, never for training")
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -410,9 +413,6 @@ def main(argv: list[str] | None = None) -> float | None:
     embed = target.get_input_embeddings().weight.detach()
     head = target.get_output_embeddings().weight.detach()
     layer_ids = [int(i) for i in args.layers.split(",")]
-    if list(args.data.glob("bench-features-*.pt")):
-        parser.error(f"--data {args.data} holds responses to the tau table's own prompts "
-                     "(zoo.data --bench-prompts): they are for --eval-data, never for training")
     # ShareGPT shards first (the held-out sequences come from them), then the other sources
     shards = _folder_shards(args.data, SOURCES)
     held, train = shards[:args.held_out], shards[args.held_out:]
