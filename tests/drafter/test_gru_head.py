@@ -59,6 +59,28 @@ def test_input_table_fast_path_is_equal():
     torch.testing.assert_close(plain, fast)
 
 
+def test_input_table_over_a_draft_vocabulary_is_equal_inside_and_outside_it():
+    """The table restricted to some target ids (a reduced draft vocabulary's) gives the same
+    GRU step for tokens it holds and for tokens it does not (a root outside it)."""
+    head, _ = _head(5)
+    ids = torch.tensor([1, 4, 7, 9])
+    state = torch.randn(3, 4, G, dtype=torch.float64)
+    inside = ids[torch.randint(0, len(ids), (3, 4))]
+    mixed = inside.clone()
+    mixed[0, 1], mixed[2, 3] = 0, V - 1            # outside the table
+    with torch.no_grad():
+        want_inside, want_mixed = head.advance(state, inside), head.advance(state, mixed)
+        head.use_input_table(ids=ids)
+        assert head._input_table.shape == (len(ids), 3 * G)
+        got_inside, got_mixed = head.advance(state, inside), head.advance(state, mixed)
+        got_root = head.init(torch.tensor([0, 4]))
+        head.use_input_table(False)
+        want_root = head.init(torch.tensor([0, 4]))
+    torch.testing.assert_close(got_inside, want_inside)
+    torch.testing.assert_close(got_mixed, want_mixed)
+    torch.testing.assert_close(got_root, want_root)
+
+
 def test_embedding_is_shared_not_copied():
     head, embed = _head(3)
     assert head.embed_weight.data_ptr() == embed.data_ptr()

@@ -53,6 +53,7 @@ class DominoGRUHead(nn.Module):
         # The target's input embeddings: shared with the target, not a parameter of ours.
         self.embed_weight = embed_weight.detach()
         self._input_table: torch.Tensor | None = None
+        self._table_rows: torch.Tensor | None = None   # target id -> table row (-1: none)
 
     def _apply(self, fn, recurse=True):
         # `.to()` / `.cuda()` move the shared embeddings and the input table with the weights
@@ -61,11 +62,43 @@ class DominoGRUHead(nn.Module):
         self.embed_weight = fn(self.embed_weight)
         if self._input_table is not None:
             self._input_table = fn(self._input_table)
+        if self._table_rows is not None:   # an index: moved, never cast
+            self._table_rows = self._table_rows.to(self._input_table.device)
         return self
 
-    def use_input_table(self, enabled: bool = True) -> None:
-        """Fast path: precompute embed @ W_ih^T ([V, 3G]) so a GRU step's input is a gather."""
-        self._input_table = linear(self.embed_weight, self.w_ih).contiguous() if enabled else None
+    def use_input_table(self, enabled: bool = True, ids: torch.Tensor | None = None) -> None:
+        """Fast path: precompute embed @ W_ih^T so a GRU step's input is a gather.
+
+        `ids` (sorted target ids, e.g. a reduced draft vocabulary's) limits the table to those
+        rows ([N, 3G] instead of [V, 3G]); a step whose tokens fall outside them (a root
+        token, say) computes those rows the usual way. Same products, another summation
+        order."""
+        self._input_table = self._table_rows = None
+        if not enabled:
+            return
+        if ids is None:
+            self._input_table = linear(self.embed_weight, self.w_ih).contiguous()
+            return
+        ids = ids.to(device=self.embed_weight.device, dtype=torch.long)
+        self._input_table = linear(self.embed_weight[ids], self.w_ih).contiguous()
+        rows = torch.full((self.embed_weight.shape[0],), -1, dtype=torch.long,
+                          device=ids.device)
+        rows[ids] = torch.arange(ids.shape[0], device=ids.device)
+        self._table_rows = rows
+
+    def _step_inputs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """W_ih . embed(tokens), [..., 3G]: from the input table where it holds the token."""
+        table = self._input_table
+        if table is None:
+            return linear(self.embed_weight[tokens], self.w_ih)
+        if self._table_rows is None:
+            return table[tokens]
+        rows = self._table_rows[tokens]
+        outside = rows < 0
+        gi = table[rows.clamp(min=0)]
+        if bool(outside.any()):   # host check: the restricted table is a CPU fast path
+            gi[outside] = linear(self.embed_weight[tokens[outside]], self.w_ih)
+        return gi
 
     @property
     def w_ih(self) -> torch.Tensor:
@@ -77,10 +110,7 @@ class DominoGRUHead(nn.Module):
 
     def gru_step(self, state: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """state [..., G], tokens [...] -> the next state [..., G]."""
-        if self._input_table is not None:
-            gi = self._input_table[tokens]
-        else:
-            gi = linear(self.embed_weight[tokens], self.w_ih)
+        gi = self._step_inputs(tokens)
         gh = linear(state, self.w_hh)
         i_r, i_z, i_n = gi.chunk(3, dim=-1)
         h_r, h_z, h_n = gh.chunk(3, dim=-1)

