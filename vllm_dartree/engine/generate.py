@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 __all__ = ["main"]
@@ -31,6 +32,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
 
+    # On a CPU-only machine, one process: vLLM's default engine-core and worker processes
+    # poll each other, which costs a core of two (64 ShareGPT prompts on the 2-core EPYC:
+    # 38.8 responses a minute that way, 56.9 in one process; the same tokens)
+    in_process = not _has_cuda()
+    if in_process:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
@@ -47,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     llm = LLM(model=args.target, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_prompt_tokens + args.max_tokens,
-              gpu_memory_utilization=0.2, seed=0, enforce_eager=True)
+              gpu_memory_utilization=0.2, seed=0, enforce_eager=True,
+              **({"distributed_executor_backend": "uni"} if in_process else {}))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
     for start in range(done, len(texts), args.chunk):
         chunk = texts[start:start + args.chunk]
@@ -59,6 +67,11 @@ def main(argv: list[str] | None = None) -> None:
                                     "output_ids": list(o.outputs[0].token_ids)}) + "\n")
         print(f"{out}: {min(start + args.chunk, len(texts))}/{len(texts)} responses",
               flush=True)
+
+
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":
