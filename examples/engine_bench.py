@@ -61,6 +61,8 @@ def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
               kv_cache_memory_bytes=KV_CACHE_BYTES, max_num_seqs=max(args.concurrency), seed=0,
               disable_log_stats=False,
               max_num_batched_tokens=max(2048, max(args.concurrency) * (budget + 1)))
+    if args.in_process:   # the worker in the engine's process too (on CPU vLLM defaults to a
+        kw["distributed_executor_backend"] = "uni"   # worker process the engine core polls)
     tree = {"method": "dartree", "model": args.drafter, "budget": budget,
             "width": args.width, "topk": args.topk}
     if method in ("dartree", "ddtree", "chain"):
@@ -294,8 +296,9 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=8, help="oracle tree depth")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--in-process", action="store_true",
-                        help="every engine in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
-                             "no front-end / engine-core processes competing for the cores")
+                        help="every engine in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+                             "and the uni executor): no front-end, engine-core or worker "
+                             "processes competing for the cores")
     args = parser.parse_args()
     if args.serve:
         return serve(args.serve)
