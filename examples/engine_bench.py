@@ -5,7 +5,9 @@ builders (same drafter), at several concurrencies, measured in one run.
     python examples/engine_bench.py --target DIR --drafter DIR [--prompts FILE.jsonl]
 
 Each method runs in its own engine process (one vLLM engine per process); inside it, every
-concurrency level c sends the same requests c at a time and times them after a warm-up.
+concurrency level c runs the same requests with c of them in flight (a finished request is
+replaced at once, as `vllm bench serve --max-concurrency c` does) and times them after a
+warm-up.
 Printed per method and level: output tokens/s, the ratio to plain decoding at that level,
 tau (vLLM's mean acceptance length), and the share of the wall time the dartree worker
 spent in the target's forward (`execute_model`), drafting, the tree walk and KV compaction.
@@ -28,6 +30,7 @@ carrier, and `ngram` on CPU): the baseline those engines actually share.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -128,15 +131,51 @@ def budget_line(level: dict) -> str:
 PROTOCOL = "@@bench "   # the engine's replies on stdout (vLLM logs there too)
 
 
+_LEVELS = itertools.count()
+
+
+def generate_in_flight(llm, prompts, params, c: int) -> list:
+    """The prompts' outputs (in their order) with c requests in flight: each finished request
+    is replaced by the next prompt at once, as a client with `--max-concurrency c` does
+    (`vllm bench serve`). Sending them c at a time instead (one `generate` per group) makes
+    every group wait for its slowest request, which charges a speculative method for the
+    spread of its requests' speeds: the last steps of a group run one or two requests."""
+    from vllm.sampling_params import RequestOutputKind
+    engine, level = llm.llm_engine, next(_LEVELS)
+    params = params.clone()
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    waiting = list(range(len(prompts)))[::-1]
+    running: dict[str, int] = {}
+    outputs: list = [None] * len(prompts)
+
+    def admit() -> None:
+        i = waiting.pop()
+        name = f"bench-{level}-{i}"
+        running[name] = i
+        running[engine.add_request(name, prompts[i], params)] = i
+
+    for _ in range(min(c, len(waiting))):
+        admit()
+    while any(o is None for o in outputs):
+        for out in engine.step():
+            if out.finished and out.request_id in running:
+                i = running[out.request_id]
+                if outputs[i] is None:
+                    outputs[i] = out
+                    if waiting:
+                        admit()
+    return outputs
+
+
 def _run_level(llm, prompts, params, c: int, spec: bool) -> dict:
-    """Send the prompts c at a time, timed; the level's tokens/s inputs, tau and counters."""
+    """Run the prompts with c in flight, timed; the level's tokens/s inputs, tau and
+    counters."""
     before = _counters(llm)
     budget_before = llm.collective_rpc("dartree_budget")[0] if spec else {}
     if spec:
         llm.collective_rpc("dartree_seconds", kwargs={"reset": True})
-    start, outputs = time.perf_counter(), []
-    for i in range(0, len(prompts), c):
-        outputs += llm.generate(prompts[i:i + c], params, use_tqdm=False)
+    start = time.perf_counter()
+    outputs = generate_in_flight(llm, prompts, params, c)
     seconds = time.perf_counter() - start
     after = _counters(llm)
     drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get(
