@@ -6,8 +6,8 @@ builders (same drafter), at several concurrencies, measured in one run.
 
 Each method runs in its own engine process (one vLLM engine per process); inside it, every
 concurrency level c runs the same requests with c of them in flight (a finished request is
-replaced at once, as `vllm bench serve --max-concurrency c` does) and times them after a
-warm-up.
+replaced at once, as `vllm bench serve --max-concurrency c` does; at least 2c requests, the
+prompts repeated in order) and times them after a warm-up.
 Printed per method and level: output tokens/s, the ratio to plain decoding at that level,
 tau (vLLM's mean acceptance length), and the share of the wall time the dartree worker
 spent in the target's forward (`execute_model`), drafting, the tree walk and KV compaction.
@@ -174,9 +174,16 @@ def _run_level(llm, prompts, params, c: int, spec: bool) -> dict:
     budget_before = llm.collective_rpc("dartree_budget")[0] if spec else {}
     if spec:
         llm.collective_rpc("dartree_seconds", kwargs={"reset": True})
+    # at least 2c requests (the prompts again, in order), so that c stay in flight for most
+    # of the level and not only at its start
+    requests = [prompts[i % len(prompts)] for i in range(max(len(prompts), 2 * c))]
     start = time.perf_counter()
-    outputs = generate_in_flight(llm, prompts, params, c)
+    outputs = generate_in_flight(llm, requests, params, c)
     seconds = time.perf_counter() - start
+    answers = [list(o.outputs[0].token_ids) for o in outputs]
+    for i in range(len(prompts), len(requests)):
+        if answers[i] != answers[i % len(prompts)]:
+            raise SystemExit(f"prompt {i % len(prompts)}: a repeat answered differently: a bug")
     after = _counters(llm)
     drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get(
         "vllm:spec_decode_num_drafts", 0)
@@ -186,7 +193,7 @@ def _run_level(llm, prompts, params, c: int, spec: bool) -> dict:
             "drafts": drafts, "accepted": accepted,
             "stages": llm.collective_rpc("dartree_seconds")[0] if spec else {},
             "budget": _budget_delta(llm, budget_before) if spec else {},
-            "outputs": [list(o.outputs[0].token_ids) for o in outputs]}
+            "outputs": answers[:len(prompts)]}
 
 
 def serve(job_path: str) -> None:
