@@ -118,7 +118,9 @@ def budget_line(level: dict) -> str:
     return (f"plain {b['plain_steps'] / b['steps']:.0%} of steps, {b['nodes'] / rounds:.1f} "
             f"nodes/tree, accepted/tree {b['predicted_accepted'] / rounds:.2f} predicted "
             f"{b['observed_accepted'] / rounds:.2f} observed; row "
-            f"{1e3 * b['cost_row_s']:.1f} ms, step {1e3 * b['cost_step_s']:.1f} ms, draft "
+            f"{1e3 * b['cost_row_s']:.1f} ms (a tree node "
+            f"+{1e3 * b.get('cost_node_s', 0.0):.1f}), "
+            f"step {1e3 * b['cost_step_s']:.1f} ms, draft "
             f"{1e3 * b['cost_draft_s']:.1f} + {1e3 * b['cost_draft_request_s']:.1f}/req + "
             f"{1e3 * b['cost_draft_depth_s']:.2f}/req/depth ms" + (
                 f"; lookup nodes {b['lookup_accepted']}/{b['lookup_nodes']} accepted, shared "

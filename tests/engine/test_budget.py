@@ -34,7 +34,8 @@ def test_plan_equals_brute_force(seed, r, b):
     gains, depths = _curves(gen, r, b)
     costs = BatchCosts(step=gen.uniform(0.01, 0.1), row=gen.uniform(0.0005, 0.02),
                        tree_step=gen.uniform(0, 0.03), per_request=gen.uniform(0, 0.01),
-                       per_depth=gen.uniform(0, 0.01), draft=gen.uniform(0, 0.05))
+                       per_depth=gen.uniform(0, 0.01), draft=gen.uniform(0, 0.05),
+                       node=gen.uniform(0, 0.01))
     if gen.uniform() < 0.5:      # some requests' first nodes are lookup nodes (depth 0)
         depths[:, 1:] -= np.minimum(depths[:, 1:], gen.integers(0, b + 1, (r, 1)))
     best = max(throughput(gains, depths, np.array(n), costs)
@@ -57,6 +58,24 @@ def test_plain_when_drafts_do_not_pay_and_trees_when_they_do():
                        per_depth=0.001)
     plan = plan_budgets(gains, depths, cheap)
     assert plan.nodes.tolist() == [3] and plan.depth == 2
+
+
+def test_a_tree_node_dearer_than_a_decode_row_shortens_the_trees():
+    """The plan prices a tree node at row + node: with nodes accepted at 0.9, 0.5, 0.3
+    and a decode row of 3 ms, a node surcharge of 7 ms drops the 0.3 node (at the planned
+    rate of 32 tokens/s it no longer earns its 10 ms), and the cut prices it the same way."""
+    gains = np.array([[0.0, 0.9, 1.4, 1.7]])
+    depths = np.array([[0, 1, 2, 3]])
+    cheap = BatchCosts(step=0.05, row=0.003, tree_step=0.002, per_request=0.0, per_depth=0.0)
+    dear = BatchCosts(step=0.05, row=0.003, tree_step=0.002, per_request=0.0, per_depth=0.0,
+                      node=0.007)
+    assert plan_budgets(gains, depths, cheap).nodes.tolist() == [3]
+    plan = plan_budgets(gains, depths, dear)
+    assert plan.nodes.tolist() == [2]
+    # 1 + 1.4 tokens in 0.05 + 0.003 + 2 * 0.01 + 0.002 s
+    assert plan.rate == pytest.approx(2.4 / 0.075)
+    assert cut(gains, dear.node_row, plan.rate, np.array([3])).tolist() == [2]
+    assert cut(gains, cheap.node_row, plan.rate, np.array([3])).tolist() == [3]
 
 
 def test_lookup_only_steps_do_not_pay_for_the_drafter():
@@ -126,12 +145,16 @@ def test_cost_fits_recover_linear_costs():
     gen = np.random.default_rng(1)
     costs = StepCosts(plain_step=0.2)
     for _ in range(300):
-        rows, tree = int(gen.integers(1, 80)), int(gen.integers(0, 2))
-        costs.observe_target(rows, tree, 0.07 + 0.003 * rows + 0.01 * tree
-                             + gen.normal(0, 0.002))
+        # r decode rows, and tree nodes on top when the step verifies trees
+        r, tree = int(gen.integers(1, 65)), int(gen.integers(0, 2))
+        nodes = int(gen.integers(1, 64)) * tree
+        costs.observe_target(r + nodes, tree, 0.07 + 0.003 * (r + nodes) + 0.01 * tree
+                             + 0.001 * nodes + gen.normal(0, 0.002), nodes)
         r, d = int(gen.integers(1, 9)), int(gen.integers(1, 17))
         costs.observe_draft(r, d, 0.01 + 0.002 * r + 0.0015 * r * d + gen.normal(0, 0.001))
-    assert costs.target_theta == pytest.approx([0.07, 0.003, 0.01], abs=2e-3)
+    step, row, tree, node = costs.target_theta
+    assert [step, tree] == pytest.approx([0.07, 0.01], abs=2e-3)
+    assert [row, node] == pytest.approx([0.003, 0.001], abs=5e-4)
     assert costs.draft_theta == pytest.approx([0.01, 0.002, 0.0015], abs=1e-3)
     fit = DecayedLeastSquares(np.array([1.0, 1.0]), warmup=0)
     assert fit.theta() == pytest.approx([1.0, 1.0])     # no data: the prior

@@ -86,7 +86,8 @@ def test_tree_budget_writes_its_trace(tmp_path, monkeypatch, capsys):
         if plan.nodes[0]:
             budget.observe_draft(1, plan.depth, 0.01)
             pending = budget.cut("a", True, scores, depths, plan, 0)
-        budget.observe_step(rows, rows > 1, 0.05 + 0.005 * (rows - 1), plan=verified)
+        budget.observe_step(rows, rows > 1, 0.05 + 0.005 * (rows - 1), plan=verified,
+                            nodes=rows - 1)
     budget.trace.close()
     events = read_trace(path)
     kinds = [e["k"] for e in events]

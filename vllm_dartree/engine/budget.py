@@ -4,10 +4,10 @@ For a batch of R decoding requests, request i verifying the first n_i nodes of i
 best-first tree expects `gain_i(n_i)` accepted tokens (the sum of its nodes' calibrated
 acceptance, `engine.calibration`) and the step costs (`engine.costs`, measured online)
 
-    T(n) = a + b * (R + sum n_i) + [any n_i > 0] * f
+    T(n) = a + b * (R + sum n_i) + g * sum n_i + [any n_i > 0] * f
            + [depth > 0] * (c + sum_{n_i > 0} (d + e * depth))
 
-where `depth` is the number of drafter depths computed (the deepest prefix chosen, the same
+(g: what a tree node costs on top of a decode row) where `depth` is the number of drafter depths computed (the deepest prefix chosen, the same
 for the whole batched draft; 0 when every chosen node is a lookup node: the step verifies
 trees, paying f for the masks, the walk and the compaction, but runs no drafter, so c and d
 are not paid). The controller maximises the batch's tokens per second
@@ -40,6 +40,12 @@ class BatchCosts:
     per_request: float   # d: one drafted request
     per_depth: float     # e: one drafted request, one depth
     draft: float = 0.0   # c: a step that runs the drafter (depth > 0)
+    node: float = 0.0    # g: one verified tree node on top of its row (tree attention, walk)
+
+    @property
+    def node_row(self) -> float:
+        """b + g: what one more verified tree node costs."""
+        return self.row + self.node
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +62,7 @@ def throughput(gains: np.ndarray, depths: np.ndarray, nodes: np.ndarray,
     r = gains.shape[0]
     idx = np.arange(r)
     tokens = r + gains[idx, nodes].sum()
-    seconds = costs.step + costs.row * (r + nodes.sum())
+    seconds = costs.step + costs.row * r + costs.node_row * nodes.sum()
     drafted = nodes > 0
     if drafted.any():
         if depth is None:
@@ -74,7 +80,7 @@ def _best_for_depth(gains, depths, depth: int, costs: BatchCosts, lam: float) ->
     n = np.arange(b + 1)
     per_request = costs.per_request + costs.per_depth * depth if depth > 0 else 0.0
     fixed = costs.tree_step + (costs.draft if depth > 0 else 0.0)
-    cost = costs.row * n + np.where(n > 0, per_request, 0.0)
+    cost = costs.node_row * n + np.where(n > 0, per_request, 0.0)
     value = gains - lam * cost[None, :]
     value = np.where(depths <= depth, value, -np.inf)
     value[:, 0] = 0.0
@@ -103,7 +109,7 @@ def plan_budgets(gains: np.ndarray, depths: np.ndarray, costs: BatchCosts,
     # every depth allowed (a relaxation of every cap below), every cap's first Dinkelbach
     # step returns the plain step, so one check decides (exactly the loop's answer).
     free_draft = BatchCosts(step=costs.step, row=costs.row, tree_step=costs.tree_step,
-                            per_request=0.0, per_depth=0.0, draft=0.0)
+                            per_request=0.0, per_depth=0.0, draft=0.0, node=costs.node)
     if not _best_for_depth(gains, depths, int(depths.max()), free_draft, best_rate).any():
         return Plan(plain, 0, best_rate)
     # cap 0: prefixes that need no drafter depth (lookup nodes alone, no drafter pass)

@@ -148,9 +148,10 @@ class TreeBudget:
 
     # -- planning -------------------------------------------------------------------------
     def batch_costs(self) -> BatchCosts:
-        a, b, f = self.costs.target_theta
+        a, b, f, g = self.costs.target_theta
         c, d, e = self.costs.draft_theta
-        return BatchCosts(step=a, row=b, tree_step=f, per_request=d, per_depth=e, draft=c)
+        return BatchCosts(step=a, row=b, tree_step=f, per_request=d, per_depth=e, draft=c,
+                          node=g)
 
     def shrink(self, greedy: bool, batch: int | None = None) -> float:
         """Observed / predicted accepted tokens of the recently verified trees of a
@@ -267,7 +268,7 @@ class TreeBudget:
         others = max(num_running - len(rids), 0)
         costs = BatchCosts(step=costs.step + costs.row * others, row=costs.row,
                            tree_step=costs.tree_step, per_request=costs.per_request,
-                           per_depth=costs.per_depth, draft=costs.draft)
+                           per_depth=costs.per_depth, draft=costs.draft, node=costs.node)
         plan = plan_budgets(gains, depths, costs)
         if self.trace is not None:   # the same cost model's plain step, for the trace alone
             self._plain_rate = throughput(gains, depths, np.zeros(len(rids), dtype=np.int64),
@@ -361,7 +362,7 @@ class TreeBudget:
             return min(len(scores), int(plan.nodes[i]))
         factor = 1.0 if plan.factor is None else float(plan.factor[i])
         gains, _ = self._gains(rid, greedy, scores, depths, sources, factor)
-        return int(cut(gains[None], self.batch_costs().row, plan.rate,
+        return int(cut(gains[None], self.batch_costs().node_row, plan.rate,
                        np.array([len(scores)]))[0])
 
     # -- observations ---------------------------------------------------------------------
@@ -404,13 +405,14 @@ class TreeBudget:
         s["observed_accepted"] += observed
 
     def observe_step(self, rows: int, tree: bool, seconds: float, plan: int | None = None,
-                     ) -> None:
+                     nodes: int = 0) -> None:
         """A decode step's seconds (drafting excluded); `plan`: the number of plans made
-        before it started (the last one's trees are those it verified), for the trace."""
-        self.costs.observe_target(rows, int(tree), seconds)
+        before it started (the last one's trees are those it verified), for the trace; `nodes`:
+        the tree nodes among its rows."""
+        self.costs.observe_target(rows, int(tree), seconds, nodes)
         if self.trace is not None:
-            self.trace.event("step", plan=plan, rows=int(rows), tree=bool(tree),
-                             s=float(seconds))
+            self.trace.event("step", plan=plan, rows=int(rows), nodes=int(nodes),
+                             tree=bool(tree), s=float(seconds))
         self._maybe_log()
 
     def observe_draft(self, requests: int, depths: int, seconds: float) -> None:
@@ -435,11 +437,11 @@ class TreeBudget:
         return len(rids)
 
     def summary(self) -> dict:
-        a, b, f = self.costs.target_theta
+        a, b, f, g = self.costs.target_theta
         c, d, e = self.costs.draft_theta
         out = {**self.stats, "live_requests": self.live_requests,
                "shrink_greedy": self.shrink(True), "shrink_sampled": self.shrink(False),
-               "cost_step_s": a, "cost_row_s": b, "cost_tree_step_s": f,
+               "cost_step_s": a, "cost_row_s": b, "cost_tree_step_s": f, "cost_node_s": g,
                "cost_draft_s": c, "cost_draft_request_s": d, "cost_draft_depth_s": e}
         # plain Python numbers: the RPC's serialiser takes no numpy scalars
         return {k: v if isinstance(v, int) else float(v) for k, v in out.items()}

@@ -3,9 +3,13 @@
 The runner times every decode step of its own engine (no table typed in per machine):
 
 - target: the model forward, the walk and the rest of the step (`execute_model` +
-  `sample_tokens` minus drafting), against x = [1, rows, tree] (rows = tokens the step
-  verified: one per request plus its tree nodes; tree = 1 when the step verified trees: the
-  masks, the walk and the compaction cost something whatever the trees' size);
+  `sample_tokens` minus drafting), against x = [1, rows, tree, nodes] (rows = tokens the
+  step verified: one per request plus its tree nodes; tree = 1 when the step verified trees:
+  the masks, the walk and the compaction cost something whatever the trees' size; nodes =
+  the tree nodes among the rows: a tree row costs more than a decode row, since its
+  attention runs the tree kernel and the walk and the compaction handle it. On a 2-core CPU
+  at 16 requests a decode row cost 1.2 ms and a tree node 0.4 ms more; with one slope for
+  both, a 26-node step was predicted at 83 ms and took 96);
 - draft: the drafter's round, against x = [1, drafted requests, drafted requests x depths
   computed] (the lm-head and the correction head run per request and depth).
 
@@ -66,16 +70,19 @@ class StepCosts:
     """The two fits of a worker: a step without drafting, and the drafter's round."""
 
     def __init__(self, plain_step: float = 0.05):
-        # prior: a plain one-request step of `plain_step` s, a row 1/20 of it, a draft 1/2
+        # prior: a plain one-request step of `plain_step` s, a row 1/20 of it (a tree node
+        # as much as a decode row until measured otherwise), a draft 1/2
         self.target_fit = DecayedLeastSquares(np.array([plain_step, plain_step / 20,
-                                                        plain_step / 20]))
+                                                        plain_step / 20, 0.0]))
         self.draft_fit = DecayedLeastSquares(np.array([plain_step / 4, plain_step / 8,
                                                        plain_step / 64]))
         self._target_theta: np.ndarray | None = None
         self._draft_theta: np.ndarray | None = None
 
-    def observe_target(self, rows: int, tree: int, seconds: float) -> None:
-        self.target_fit.add([1.0, rows, tree], seconds)
+    def observe_target(self, rows: int, tree: int, seconds: float, nodes: int = 0) -> None:
+        """A step of `rows` verified tokens, `nodes` of them tree nodes (rows - nodes
+        decode rows), `tree` = 1 when it verified trees."""
+        self.target_fit.add([1.0, rows, tree, nodes], seconds)
         self._target_theta = None
 
     def observe_draft(self, requests: int, depths: int, seconds: float) -> None:
@@ -84,7 +91,8 @@ class StepCosts:
 
     @property
     def target_theta(self) -> np.ndarray:
-        """(seconds per step, per verified row, per step that verifies trees)."""
+        """(seconds per step, per verified row, per step that verifies trees, per tree node
+        on top of its row)."""
         if self._target_theta is None:
             self._target_theta = self.target_fit.theta()
         return self._target_theta

@@ -68,7 +68,7 @@ class DARTreeRunnerMixin(TreeSamplerMixin, CompactionMixin, DraftingMixin):
             else None
         self._dt_clock: list[float] = []              # this step's (start, drafting seconds)
         # this step's (rows, trees, the budget's last plan: whose trees it verifies) to time
-        self._dt_timing: tuple[int, bool, int] | None = None
+        self._dt_timing: tuple[int, bool, int, int] | None = None
         self._dt_custom_logitsprocs = self._dt_install_logitsprocs(vllm_config, device)
         self._dt_faults: dict[str, int] = {"draft_errors": 0, "invalid_trees": 0}
         self._dt_fault_logged: set[str] = set()
@@ -138,9 +138,9 @@ class DARTreeRunnerMixin(TreeSamplerMixin, CompactionMixin, DraftingMixin):
         if self._dt_budget is None or timing is None or len(self._dt_clock) != 2:
             return
         start, drafting = self._dt_clock
-        rows, tree, plan = timing
+        rows, tree, plan, nodes = timing
         self._dt_budget.observe_step(rows, tree, time.perf_counter() - start - drafting,
-                                     plan=plan)
+                                     plan=plan, nodes=nodes)
 
     # -- setup ---------------------------------------------------------------------------
     @property
@@ -215,8 +215,8 @@ class DARTreeRunnerMixin(TreeSamplerMixin, CompactionMixin, DraftingMixin):
         step.decode_only = bool(num_reqs) and all(
             int(rows[i]) == 1 + len(drafts[i]) for i in range(num_reqs))
         plans = 0 if self._dt_budget is None else self._dt_budget.stats["steps"]
-        self._dt_timing = (int(rows.sum()), any(step.is_tree), plans) if step.decode_only \
-            else None
+        self._dt_timing = (int(rows.sum()), any(step.is_tree), plans,
+                           int(rows.sum()) - num_reqs) if step.decode_only else None
         inputs = tree_rows([(t.parents, t.depths) if t is not None else None for t in trees],
                            starts, rows, p0, self.positions.device)
         if inputs is not None:
