@@ -280,8 +280,10 @@ TP2 = dict(tensor_parallel_size=2, distributed_executor_backend="mp")
     # two tensor-parallel ranks (rank 0 drafts and broadcasts its trees; both ranks mask
     # and compact the same nodes of their KV-head shards)
     (dict(siblings=3, shuffle=1, random_depth=True), dict(adaptive=False), TP2),
-    # 4 siblings x 8 depths = 32 nodes cut at a budget of 12, under the adaptive budget
-    (dict(siblings=4, shuffle=2), dict(budget=12), {}),
+    # 4 siblings x 8 depths = 32 nodes cut at a budget of 12 (fixed: the adaptive budget
+    # sizes these trees from measured step times, and on a loaded machine it may keep them
+    # to a node or two, which the counter check below cannot tell from a broken shape)
+    (dict(siblings=4, shuffle=2), dict(budget=12, adaptive=False), {}),
 ], ids=["3-siblings-random-depth-tp2", "4-siblings-cut-at-12"])
 def test_shuffled_oracle_trees_are_accepted_and_exact(tiny, plain, oracle_prompts, options,
                                                       tree, parallel, tmp_path):
