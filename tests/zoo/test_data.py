@@ -48,6 +48,13 @@ def test_responses_and_features(tmp_path, monkeypatch):
     assert [s.first_anchor for s in load_shards(paths)][0] == 0
     assert [s.first_anchor for s in load_shards(paths, out)] == [len(r["prompt_ids"])
                                                                 for r in rows]
+    # features of the newest responses only (and the first shard: the held-out sequences)
+    monkeypatch.setattr("vllm_dartree.zoo.data.SHARD", 1)
+    (tmp_path / "x").mkdir()
+    some = write_features(target_dir, out, tmp_path / "x", [1, 3], "f", 3, skip_before=2)
+    assert [p.name for p in some] == ["f-00000.pt", "f-00002.pt"]
+    assert sorted(p.name for p in (tmp_path / "x").glob("f-*.pt")) == [p.name for p in some]
+    torch.testing.assert_close(load_shards(some)[1].features, load_shards(paths)[2].features)
 
 
 def test_a_larger_count_appends_prompts_after_the_ones_answered(tmp_path, monkeypatch):

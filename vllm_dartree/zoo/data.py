@@ -98,10 +98,13 @@ def generate_responses(target: Path, prompts: Path, out: Path, max_tokens: int) 
 @torch.no_grad()
 def write_features(target_dir: Path, responses: Path, workdir: Path,
                    layer_ids: list[int], prefix: str = "features",
-                   total: int | None = None) -> list[Path]:
+                   total: int | None = None, skip_before: int = 0) -> list[Path]:
     """Shards `{prefix}-NNNNN.pt`: [{"tokens": [T] int64, "features": [T, n*H] bf16,
     "prompt_len": P}, ...]. While generation is still under way (fewer than `total`
-    responses), a partial last shard is left for later: a written shard is never redone."""
+    responses), a partial last shard is left for later: a written shard is never redone.
+    `skip_before` N leaves out the shards that lie wholly before sequence N, but the first
+    (it holds the held-out sequences): a warm-started run over the newest responses then
+    needs their features only, not hours of the older ones' on a new machine."""
     from transformers import AutoModelForCausalLM
 
     rows = [json.loads(line) for line in open(responses) if line.strip()]
@@ -109,6 +112,8 @@ def write_features(target_dir: Path, responses: Path, workdir: Path,
     for first in range(0, len(rows), SHARD):
         if total is not None and len(rows) < total and first + SHARD > len(rows):
             break
+        if 0 < first and first + SHARD <= skip_before:
+            continue
         path = workdir / f"{prefix}-{first // SHARD:05d}.pt"
         paths.append(path)
         if path.exists():
@@ -146,6 +151,10 @@ def main(argv: list[str] | None = None) -> None:
                              "for zoo.train --eval-data, never training data")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--stage", choices=["all", "generate", "features"], default="all")
+    parser.add_argument("--features-from", type=int, default=0, metavar="N",
+                        help="ShareGPT features only from sequence N on (and the first "
+                             "shard, which holds the held-out ones): for a warm-started "
+                             "run over the newest responses")
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     layers = [int(i) for i in args.layers.split(",")]
@@ -164,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
             generate_responses(args.target, prompts, responses, args.max_tokens)
         if args.stage in ("all", "features") and responses.exists():
             total = sum(1 for line in open(prompts) if line.strip())
-            write_features(args.target, responses, args.workdir, layers, prefix, total)
+            write_features(args.target, responses, args.workdir, layers, prefix, total,
+                           args.features_from if source == "sharegpt" else 0)
 
 
 if __name__ == "__main__":
