@@ -329,3 +329,42 @@ def test_cli_trains_exports_and_measures_a_second_held_out_set(setup, tmp_path, 
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit):   # a folder without shards is an error, not silence
         main(common[:-1] + [str(tmp_path / "empty"), "--evaluate", str(tmp_path / "drafter")])
+
+
+def test_warm_start_grows_draft_layers_without_changing_the_drafts(setup, tmp_path):
+    """A one-layer export warm-starts a two-layer run: the added layer starts with zero output
+    projections, so the grown drafter drafts exactly what the export did; training then moves
+    the new layer."""
+    t = setup["target"]
+    info = TargetInfo(t.config.hidden_size, t.config.vocab_size, t.config.num_hidden_layers)
+    small = _trainer(setup, tmp_path / "one", mask=True, steps=5)
+    for _ in range(5):
+        small.train_step(setup["shards"])
+    one = export_domino(small, tmp_path / "one-layer", t.config.num_hidden_layers,
+                        dtype=torch.float32)
+    config = TrainConfig(steps=5, sequences_per_step=2, anchors_per_sequence=8, lr=3e-3,
+                         warmup_steps=1)
+    grown = DrafterTrainer(dataclasses.replace(setup["spec"], num_layers=2),
+                           t.model.embed_tokens.weight, t.lm_head.weight, config,
+                           tmp_path / "two", gru_hidden=16, emb_dim=8, learn_mask_embedding=True)
+    grown.warm_start(one)
+    new = grown.backbone.layers[1]
+    assert not new.self_attn.o_proj.weight.any() and not new.mlp.down_proj.weight.any()
+    torch.testing.assert_close(new.self_attn.q_proj.weight,
+                               grown.backbone.layers[0].self_attn.q_proj.weight)
+    two = export_domino(grown, tmp_path / "two-layer", t.config.num_hidden_layers,
+                        dtype=torch.float32)
+    shard = setup["shards"][1]
+    drafts = []
+    for folder, layers in ((one, 1), (two, 2)):
+        drafter = load_drafter(folder, info, t.model.embed_tokens.weight, t.lm_head.weight,
+                               dtype=torch.float32)
+        assert drafter.spec.num_layers == layers
+        session = DrafterSession(drafter)
+        session.extend(shard.tokens[:12].tolist(), shard.features[:12].float())
+        drafts.append(session.draft(int(shard.tokens[12])))
+    torch.testing.assert_close(drafts[1].base_logits, drafts[0].base_logits)
+    torch.testing.assert_close(drafts[1].hidden, drafts[0].hidden)
+    for _ in range(3):
+        grown.train_step(setup["shards"])
+    assert new.self_attn.o_proj.weight.abs().sum() > 0 and new.mlp.down_proj.weight.abs().sum() > 0

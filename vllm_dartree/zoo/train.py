@@ -185,6 +185,7 @@ class DrafterTrainer:
                 vocab.long(), ours)):
             raise ValueError(f"{folder} has another draft vocabulary than this run")
         params = {**dict(self.backbone.named_parameters()), **dict(self.head.named_parameters())}
+        grown = self._grow_layers(tensors, folder)
         missing = sorted(set(params) - set(tensors))
         if missing:
             raise ValueError(f"{folder} lacks {missing[:4]} of this run's drafter")
@@ -194,6 +195,30 @@ class DrafterTrainer:
                     raise ValueError(f"{folder}: {name} is {list(tensors[name].shape)}, this "
                                      f"run's is {list(p.shape)}")
                 p.copy_(tensors[name].reshape(p.shape).float())
+        if grown:
+            print(f"warm start: {grown} draft layer(s) added after the folder's, as copies of "
+                  f"its last with zero output projections (the same drafter, to begin with)",
+                  flush=True)
+
+    def _grow_layers(self, tensors: dict[str, torch.Tensor], folder: str | Path) -> int:
+        """A folder with fewer draft layers than this run grows into it without changing
+        what it drafts: each missing layer starts as a copy of the folder's last layer whose
+        attention and MLP output projections are zero, so it adds nothing to the residual
+        stream until training moves them (the zero-initialised residual branch of ReZero /
+        Fixup). Returns how many layers were added (0: shapes as they were)."""
+        have = {int(k.split(".")[1]) for k in tensors if k.startswith("layers.")}
+        ours = len(self.backbone.layers)
+        if not have or len(have) >= ours:
+            return 0
+        if have != set(range(len(have))):
+            raise ValueError(f"{folder}: draft layers {sorted(have)} are not 0..{len(have) - 1}")
+        last = f"layers.{len(have) - 1}."
+        for i in range(len(have), ours):
+            for key in [k for k in tensors if k.startswith(last)]:
+                name = f"layers.{i}." + key[len(last):]
+                zero = name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight"))
+                tensors[name] = torch.zeros_like(tensors[key]) if zero else tensors[key].clone()
+        return ours - len(have)
 
     def _resume(self) -> None:
         if not self.checkpoint_path.exists():
@@ -371,7 +396,8 @@ def main(argv: list[str] | None = None) -> float | None:
     parser.add_argument("--emb-dim", type=int, default=64)
     parser.add_argument("--warm-start", type=Path, metavar="DRAFTER",
                         help="start from an exported Domino folder's weights (when WORKDIR "
-                             "has no checkpoint yet)")
+                             "has no checkpoint yet); a folder with fewer draft layers than "
+                             "--draft-layers grows into them, drafting the same at first")
     parser.add_argument("--init-from-target", metavar="L1[,L2]",
                         help="start the draft layers from these target layers (0-based ids; "
                              "default: random)")
