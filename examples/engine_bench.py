@@ -18,7 +18,9 @@ is right; `oracle-adaptive` the same drafter under the adaptive budget.
 `plugin-plain` is the dartree engine with every step plain (`VLLM_DARTREE_PLAIN=1`): what
 the plugin's worker and attention cost by themselves. `ngram` is vLLM's own prompt-lookup
 speculation. `fixed` is DARTree verifying `budget` nodes every round (`adaptive: false`).
-`dartree-nolookup` is DARTree (adaptive) without lookup branches (`lookup: false`).
+`dartree-nolookup` is DARTree (adaptive) without lookup branches (`lookup: false`);
+`dartree-match5` trusts a lookup continuation by its n-gram order alone
+(`lookup_max_match: 5`, as before the match's full extent was measured).
 `dartree-conf` is DARTree (the defaults) planning with the target's confidence too
 (`VLLM_DARTREE_CONFIDENCE=1`, an opt-in experiment).
 `dartree-alt` is DARTree (the defaults) with the drafter of `--alt-drafter`, to compare two
@@ -46,7 +48,7 @@ KV_CACHE_BYTES = 512 << 20
 
 METHODS = ("plain", "dartree", "ddtree", "chain", "oracle")
 EXTRA_METHODS = ("plugin-plain", "ngram", "fixed", "oracle-adaptive", "dartree-nolookup",
-                 "dartree-alt", "plain-sync", "dartree-conf")
+                 "dartree-alt", "plain-sync", "dartree-conf", "dartree-match5")
 
 
 def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
@@ -72,6 +74,8 @@ def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
         kw["speculative_config"] = {**tree, "builder": method}
     elif method == "dartree-nolookup":
         kw["speculative_config"] = {**tree, "lookup": False}
+    elif method == "dartree-match5":     # lookup's prior from the n-gram order alone
+        kw["speculative_config"] = {**tree, "lookup_max_match": 5}
     elif method == "plain-sync":
         kw["async_scheduling"] = False
     elif method == "dartree-alt":
@@ -119,7 +123,8 @@ def budget_line(level: dict) -> str:
             f"nodes/tree, accepted/tree {b['predicted_accepted'] / rounds:.2f} predicted "
             f"{b['observed_accepted'] / rounds:.2f} observed; row "
             f"{1e3 * b['cost_row_s']:.1f} ms (a tree node "
-            f"+{1e3 * b.get('cost_node_s', 0.0):.1f}), "
+            f"{1e3 * b.get('cost_node_s', 0.0):+.1f}, a tree step "
+            f"+{1e3 * b.get('cost_tree_step_s', 0.0):.1f}), "
             f"step {1e3 * b['cost_step_s']:.1f} ms, draft "
             f"{1e3 * b['cost_draft_s']:.1f} + {1e3 * b['cost_draft_request_s']:.1f}/req + "
             f"{1e3 * b['cost_draft_depth_s']:.2f}/req/depth ms" + (

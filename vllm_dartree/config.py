@@ -71,6 +71,12 @@ class DARTreeConfig(BaseModel):
     lookup_max_n: int = Field(5, ge=1)
     """Longest suffix that lookup matches (longer matches rank first)."""
 
+    lookup_max_match: int = Field(64, ge=1)
+    """How far back a `lookup_max_n` match is measured (the common suffix of the request's
+    tokens and what precedes that occurrence), up to this many tokens: a copy in progress
+    that has matched tens of tokens is trusted further than a 5-token coincidence (its nodes'
+    prior). `lookup_max_n` or less: the n-gram order alone."""
+
     correction: bool = True
     """Use the drafter's correction head (Domino GRU / DSpark Markov). False = the backbone's
     uncorrected marginals only (DFlash-like)."""

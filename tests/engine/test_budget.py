@@ -156,6 +156,17 @@ def test_cost_fits_recover_linear_costs():
     assert [step, tree] == pytest.approx([0.07, 0.01], abs=2e-3)
     assert [row, node] == pytest.approx([0.003, 0.001], abs=5e-4)
     assert costs.draft_theta == pytest.approx([0.01, 0.002, 0.0015], abs=1e-3)
+    # a tree node cheaper than a decode row (a lookup chain shares its request's context):
+    # the fit reports it below the row's cost, not clipped at the row's
+    cheap = StepCosts(plain_step=0.03)
+    for _ in range(300):
+        r, tree = int(gen.integers(1, 9)), int(gen.integers(0, 2))
+        nodes = int(gen.integers(1, 32)) * tree
+        cheap.observe_target(r + nodes, tree, 0.023 + 0.0027 * r + 0.006 * tree
+                             + 0.0012 * nodes + gen.normal(0, 0.0005), nodes)
+    step, row, tree, node = cheap.target_theta
+    assert [step, row, tree] == pytest.approx([0.023, 0.0027, 0.006], abs=5e-4)
+    assert row + node == pytest.approx(0.0012, abs=2e-4)
     fit = DecayedLeastSquares(np.array([1.0, 1.0]), warmup=0)
     assert fit.theta() == pytest.approx([1.0, 1.0])     # no data: the prior
 

@@ -19,10 +19,17 @@ from vllm_dartree.tree.lookup import (
 )
 
 
-def brute_force(seq, min_n, max_n, length, candidates):
-    """Scan the whole sequence for each suffix length, longest first, most recent first."""
+def brute_force(seq, min_n, max_n, length, candidates, max_match=None):
+    """Scan the whole sequence for each suffix length, longest first, most recent first;
+    a match of order max_n is measured by the longest common suffix (up to max_match)."""
     out = []
     total = len(seq)
+    cap = max(max_n, max_match or max_n)
+
+    def extent(e, n):
+        if n < max_n:
+            return n
+        return max(m for m in range(n, cap + 1) if m <= e and seq[e - m:e] == seq[total - m:])
     for n in range(min(max_n, total - 1), min_n - 1, -1):
         suffix = seq[total - n:]
         ends = [e for e in range(n, total) if seq[e - n:e] == suffix]
@@ -31,31 +38,36 @@ def brute_force(seq, min_n, max_n, length, candidates):
             kept = [i for i, c in enumerate(out)
                     if c[0][:len(cont)] == cont or cont[:len(c[0])] == c[0]]
             if not kept:
-                out.append((cont, n, sum(seq[x] == cont[0] for x in ends)))
+                out.append((cont, n, sum(seq[x] == cont[0] for x in ends), extent(e, n)))
                 if len(out) >= candidates:
                     return out
             elif len(cont) > len(out[kept[0]][0]):
-                out[kept[0]] = (cont, n, sum(seq[x] == cont[0] for x in ends))
+                out[kept[0]] = (cont, n, sum(seq[x] == cont[0] for x in ends), extent(e, n))
     return out
 
 
 @settings(max_examples=300, deadline=None)
 @given(seq=st.lists(st.integers(0, 3), min_size=1, max_size=40),
        chunks=st.integers(1, 5), min_n=st.integers(1, 3), extra=st.integers(0, 3),
-       length=st.integers(1, 6), candidates=st.integers(1, 5), root=st.integers(0, 3))
-def test_index_equals_a_brute_force_scan(seq, chunks, min_n, extra, length, candidates, root):
-    index = LookupIndex(min_n, min_n + extra)
+       length=st.integers(1, 6), candidates=st.integers(1, 5), root=st.integers(0, 3),
+       further=st.integers(0, 12))
+def test_index_equals_a_brute_force_scan(seq, chunks, min_n, extra, length, candidates, root,
+                                         further):
+    index = LookupIndex(min_n, min_n + extra, min_n + extra + further)
     step = max(1, len(seq) // chunks)
     for start in range(0, len(seq), step):          # incremental, in uneven pieces
         index.extend(seq[start:start + step])
     got = index.propose(root, length, candidates)
-    want = brute_force(seq + [root], min_n, min_n + extra, length, candidates)
-    assert [(c.tokens, c.match, c.count) for c in got] == want
+    want = brute_force(seq + [root], min_n, min_n + extra, length, candidates,
+                       min_n + extra + further)
+    assert [(c.tokens, c.match, c.count, c.extent) for c in got] == want
     full = seq + [root]
-    for c in got:    # each continuation really follows an occurrence of the matched suffix
-        suffix = full[len(full) - c.match:]
-        assert any(full[e - c.match:e] == suffix and tuple(full[e:e + len(c.tokens)]) == c.tokens
-                   for e in range(c.match, len(full)))
+    for c in got:    # each continuation really follows an occurrence of its whole match
+        assert c.match <= c.matched <= min_n + extra + further
+        suffix = full[len(full) - c.matched:]
+        assert any(full[e - c.matched:e] == suffix
+                   and tuple(full[e:e + len(c.tokens)]) == c.tokens
+                   for e in range(c.matched, len(full)))
 
 
 def test_repeated_text_proposes_its_continuation():
@@ -63,7 +75,31 @@ def test_repeated_text_proposes_its_continuation():
     text = [5, 6, 7, 8, 9, 10, 11]
     index.extend(text + [1, 2] + text[:3])
     best = index.propose(None, 4, 2)[0]
-    assert best == Continuation((8, 9, 10, 11), 3, 1)
+    assert best == Continuation((8, 9, 10, 11), 3, 1, 3)
+
+
+def test_a_long_copy_is_measured_past_the_ngram_order_and_trusted_further():
+    """A copy that has matched 12 tokens carries extent 12 (n-gram order 4), and its nodes'
+    prior is above a 4-token coincidence's at every depth; max_match bounds the extent."""
+    text = list(range(10, 30))
+    history = text + [1, 2] + text[:12]
+    long_copy = LookupIndex(2, 4, 64)
+    long_copy.extend(history)
+    best = long_copy.propose(None, 6, 1)[0]
+    assert (best.tokens, best.match, best.extent) == (tuple(text[12:18]), 4, 12)
+    capped = LookupIndex(2, 4, 7)
+    capped.extend(history)
+    assert capped.propose(None, 6, 1)[0].extent == 7
+    plain = LookupIndex(2, 4)          # max_match defaults to the n-gram order
+    plain.extend(history)
+    assert plain.propose(None, 6, 1)[0].matched == 4
+    short = [40, 41, 42, 43] + [10, 11, 12, 13, 14, 15] + [3] + [40, 41, 42, 43]
+    coincidence = LookupIndex(2, 4, 64)
+    coincidence.extend(short)
+    assert coincidence.propose(None, 6, 1)[0].extent == 4
+    trees = [merge_branches([], [], [], [], [c], 6) for c in (best, Continuation(
+        best.tokens, 4, 1, 4))]
+    assert (np.asarray(trees[0].scores) > np.asarray(trees[1].scores)).all()
 
 
 def _random_tree(rng, n, vocab):

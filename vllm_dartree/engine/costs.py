@@ -3,13 +3,16 @@
 The runner times every decode step of its own engine (no table typed in per machine):
 
 - target: the model forward, the walk and the rest of the step (`execute_model` +
-  `sample_tokens` minus drafting), against x = [1, rows, tree, nodes] (rows = tokens the
-  step verified: one per request plus its tree nodes; tree = 1 when the step verified trees:
-  the masks, the walk and the compaction cost something whatever the trees' size; nodes =
-  the tree nodes among the rows: a tree row costs more than a decode row, since its
-  attention runs the tree kernel and the walk and the compaction handle it. On a 2-core CPU
-  at 16 requests a decode row cost 1.2 ms and a tree node 0.4 ms more; with one slope for
-  both, a 26-node step was predicted at 83 ms and took 96);
+  `sample_tokens` minus drafting), against x = [1, decode rows, tree, nodes] (decode rows:
+  one per request; tree = 1 when the step verified trees: the masks, the walk and the
+  compaction cost something whatever the trees' size; nodes = the tree nodes verified), each
+  slope fitted on its own. A tree node may cost more than a decode row (its attention runs
+  the tree kernel, the walk and the compaction handle it: on a 2-core CPU at 16 requests a
+  decode row cost 1.2 ms and a tree node 0.4 ms more; with one slope for both, a 26-node
+  step was predicted at 83 ms and took 96) or less (it shares its request's context and
+  weights' pass: at 4 requests on a Xeon a decode row cost 2.7 ms and a lookup node 1.2 ms,
+  where a fit that could only add to the row's slope charged 2.5 ms a node and turned down
+  lookup trees that paid);
 - draft: the drafter's round, against x = [1, drafted requests, drafted requests x depths
   computed] (the lm-head and the correction head run per request and depth).
 
@@ -82,7 +85,7 @@ class StepCosts:
     def observe_target(self, rows: int, tree: int, seconds: float, nodes: int = 0) -> None:
         """A step of `rows` verified tokens, `nodes` of them tree nodes (rows - nodes
         decode rows), `tree` = 1 when it verified trees."""
-        self.target_fit.add([1.0, rows, tree, nodes], seconds)
+        self.target_fit.add([1.0, rows - nodes, tree, nodes], seconds)
         self._target_theta = None
 
     def observe_draft(self, requests: int, depths: int, seconds: float) -> None:
@@ -92,9 +95,10 @@ class StepCosts:
     @property
     def target_theta(self) -> np.ndarray:
         """(seconds per step, per verified row, per step that verifies trees, per tree node
-        on top of its row)."""
+        on top of its row: negative where a tree node costs less than a decode row)."""
         if self._target_theta is None:
-            self._target_theta = self.target_fit.theta()
+            a, b, f, node = self.target_fit.theta()
+            self._target_theta = np.array([a, b, f, node - b])
         return self._target_theta
 
     @property

@@ -41,7 +41,8 @@ class LookupBranches:
         index = self._indices.get(rid)
         if index is None or len(index) != start:
             self.rebuilds += index is not None
-            index = LookupIndex(self.config.lookup_min_n, self.config.lookup_max_n)
+            index = LookupIndex(self.config.lookup_min_n, self.config.lookup_max_n,
+                                self.config.lookup_max_match)
             index.extend(token_ids[:start].tolist())
             self._indices[rid] = index
         index.extend(token_ids[start:start + count].tolist())

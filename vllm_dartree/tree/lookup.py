@@ -37,15 +37,32 @@ class Continuation:
     tokens: tuple[int, ...]   # the tokens after the matched suffix (the root's children first)
     match: int                # length of the matched suffix (n-gram order)
     count: int                # occurrences of this continuation's first token after the match
+    extent: int = 0           # the matched suffix measured at this occurrence, past the
+                              # n-gram order (up to the index's `max_match`); 0: `match`
+
+    @property
+    def matched(self) -> int:
+        """How many tokens before this continuation equal the current suffix (its prior's
+        match length)."""
+        return max(self.match, self.extent)
 
 
 class LookupIndex:
-    """One request's tokens and an incremental n-gram index (n in [min_n, max_n])."""
+    """One request's tokens and an incremental n-gram index (n in [min_n, max_n]).
 
-    def __init__(self, min_n: int = 2, max_n: int = 5):
+    A continuation found at order `max_n` also carries its match's full extent: how far the
+    tokens before that occurrence go on equalling the current suffix (up to `max_match`,
+    compared backwards only for the kept candidates). A copy in progress (a code edit
+    rewriting its prompt, a summary quoting it) has matched tens of tokens, and its next
+    tokens are far likelier to follow than after a 5-token coincidence: on SmolLM2's greedy
+    answers to the repetitive set the first candidate's node at depth 16 was accepted 83% of
+    the time after a 32+-token match, 42% after 8-15 tokens, 23% after exactly 5."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 5, max_match: int | None = None):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"lookup n-gram orders need 1 <= min_n ({min_n}) <= max_n ({max_n})")
         self.min_n, self.max_n = min_n, max_n
+        self.max_match = max(max_n, max_match if max_match is not None else max_n)
         self.tokens: list[int] = []
         # n -> n-gram -> end indices e (tokens[e - n:e] == the n-gram), oldest first
         self._index: dict[int, dict[tuple[int, ...], list[int]]] = {
@@ -84,12 +101,24 @@ class LookupIndex:
                              if c.tokens[:len(cont)] == cont or cont[:len(c.tokens)] == c.tokens),
                             None)
                 if kept is None:
-                    out.append(Continuation(cont, n, firsts[cont[0]]))
+                    out.append(Continuation(cont, n, firsts[cont[0]],
+                                            self._extent(seq, end, n)))
                     if len(out) >= candidates:
                         return out
                 elif len(cont) > len(out[kept].tokens):   # the longer one takes the rank
-                    out[kept] = Continuation(cont, n, firsts[cont[0]])
+                    out[kept] = Continuation(cont, n, firsts[cont[0]], self._extent(seq, end, n))
         return out
+
+    def _extent(self, seq: list[int], end: int, n: int) -> int:
+        """The length of the common suffix of seq[:end] and seq, from n up to max_match
+        (only a match of order max_n can extend: a longer one would be an n-gram of higher
+        order found first)."""
+        total, m = len(seq), n
+        if n < self.max_n:
+            return n
+        while m < self.max_match and end - m - 1 >= 0 and seq[end - m - 1] == seq[total - m - 1]:
+            m += 1
+        return m
 
 
 def lookup_scores(match: int, count: int, total: int, length: int) -> np.ndarray:
@@ -134,7 +163,7 @@ def merge_branches(tokens: Sequence[int], parents: Sequence[int], depths: Sequen
     total = sum(c.count for c in continuations) or 1
     added = 0
     for cont in continuations:
-        prior = lookup_scores(cont.match, cont.count, total, len(cont.tokens))
+        prior = lookup_scores(cont.matched, cont.count, total, len(cont.tokens))
         parent = -1
         for k, tok in enumerate(cont.tokens):
             node = children.get((parent, tok))
