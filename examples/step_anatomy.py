@@ -3,7 +3,8 @@
     python examples/step_anatomy.py --method plugin-plain --concurrency 1
     python examples/step_anatomy.py --method plain --concurrency 1
 
-SmolLM2-135M-Instruct (and the shipped drafter) on the demo prompts, 48 tokens each, greedy,
+SmolLM2-135M-Instruct (and the shipped drafter) on the demo prompts (or `--datasets`), 48
+tokens each (`--max-tokens`), greedy,
 the engine in this process. vLLM's runner and attention methods are wrapped with timers (a
 few microseconds each, the same for every method), and per engine-core iteration the script
 records: the whole iteration (`core`), `execute_model` (`exec`) and in it the inputs
@@ -99,7 +100,11 @@ def main() -> None:
     parser.add_argument("--method", default="plugin-plain",
                         choices=["plain", "plugin-plain", "dartree", "ngram"])
     parser.add_argument("--concurrency", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=1, help="rounds over the 9 prompts")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over the prompts")
+    parser.add_argument("--datasets", default="gsm8k,humaneval,mt-bench",
+                        help="prompt sets, as engine_bench's (code-edit,summary: the repetitive set)")
+    parser.add_argument("--per-dataset", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--max-rows", type=int, default=80,
                         help="iterations with more scheduled tokens count as prefills")
     args = parser.parse_args()
@@ -112,15 +117,15 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_dartree.zoo.shipped import smollm2_pair
-    bench = argparse.Namespace(smollm2=True, datasets="gsm8k,humaneval,mt-bench",
-                               per_dataset=3, prompts=None, budget=64, width=12, topk=64,
-                               depth=8, dtype="float32", concurrency=[16], ngram_k=4,
-                               alt_drafter=None)
+    bench = argparse.Namespace(smollm2=True, datasets=args.datasets,
+                               per_dataset=args.per_dataset, prompts=None, budget=64, width=12,
+                               topk=64, depth=8, dtype="float32", concurrency=[16], ngram_k=4,
+                               alt_drafter=None, in_process=True)
     bench.target, bench.drafter = smollm2_pair()
     prompts = [{"prompt_token_ids": p} for p in engine_bench._prompts(bench)]
     method = "dartree" if args.method == "plugin-plain" else args.method
     llm = LLM(**engine_bench._engine_kwargs(bench, method, None))
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], params, use_tqdm=False)     # warm-up
     record.clear()
     start = time.perf_counter()
