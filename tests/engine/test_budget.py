@@ -167,6 +167,17 @@ def test_cost_fits_recover_linear_costs():
     step, row, tree, node = cheap.target_theta
     assert [step, row, tree] == pytest.approx([0.023, 0.0027, 0.006], abs=5e-4)
     assert row + node == pytest.approx(0.0012, abs=2e-4)
+    # one request per step: step and row costs are collinear, only their sum is measured;
+    # the prior (a 50 ms step) must not push that sum off when a coefficient hits 0
+    single = StepCosts(plain_step=0.05)
+    for _ in range(300):
+        tree = int(gen.integers(0, 2))
+        nodes = int(gen.integers(1, 32)) * tree
+        single.observe_target(1 + nodes, tree, 0.025 + 0.006 * tree + 0.001 * nodes
+                              + gen.normal(0, 0.0005), nodes)
+    step, row, tree, node = single.target_theta
+    assert step + row == pytest.approx(0.025, abs=1e-3)
+    assert [tree, row + node] == pytest.approx([0.006, 0.001], abs=5e-4)
     fit = DecayedLeastSquares(np.array([1.0, 1.0]), warmup=0)
     assert fit.theta() == pytest.approx([1.0, 1.0])     # no data: the prior
 

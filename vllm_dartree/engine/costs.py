@@ -65,8 +65,20 @@ class DecayedLeastSquares:
         # the prior counts as `prior_weight` observations of typical size per feature
         typical = np.diag(self.xx) / self.weight if self.weight > 0 else np.ones(len(self.prior))
         ridge = self.prior_weight * np.diag(np.maximum(typical, 1e-12))
-        theta = np.linalg.solve(self.xx + ridge, self.xy + ridge @ self.prior)
-        return np.maximum(theta, 0.0)    # costs never fall with more work
+        a, y = self.xx + ridge, self.xy + ridge @ self.prior
+        # costs never fall with more work: a coefficient the fit wants negative is fixed at
+        # 0 and the others are refitted without it (clipping it alone would break the sums
+        # the data does fix: with one request per step, the step and row costs are
+        # collinear, and only their sum is measured)
+        free = np.ones(len(y), dtype=bool)
+        theta = np.zeros(len(y))
+        while free.any():
+            theta[:] = 0.0
+            theta[free] = np.linalg.solve(a[np.ix_(free, free)], y[free])
+            if (theta >= 0).all():
+                break
+            free &= theta > 0
+        return theta
 
 
 class StepCosts:
