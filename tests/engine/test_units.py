@@ -120,17 +120,18 @@ def attention_path(request, monkeypatch):
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
 def test_big_trees_go_to_the_kernel_where_it_is_built_for_avx512(isa, monkeypatch):
-    """On the vec layout a tree of 33 rows is attended by the compiled kernel when it was
-    built for AVX-512 (ahead of SDPA to about 40 rows) and by SDPA on an AVX2 build."""
+    """On the vec layout a tree of 65 rows (64 nodes and the root) is attended by the compiled
+    kernel when it was built for AVX-512 (ahead of SDPA past 65 rows) and by SDPA on an AVX2
+    build."""
     monkeypatch.setattr(cpu_kernel, "isa", lambda: isa)
-    q_len, seq_len, bs = 33, 200, 32
+    q_len, seq_len, bs = 65, 200, 32
     md = DARTreeCPUMetadata(num_actual_tokens=q_len + 1, max_query_len=q_len,
                             query_start_loc=torch.tensor([0, 1, q_len + 1], dtype=torch.int32),
                             max_seq_len=seq_len,
                             seq_lens=torch.tensor([seq_len, seq_len], dtype=torch.int32),
                             block_table=torch.arange(14, dtype=torch.int32).reshape(2, 7),
                             slot_mapping=torch.zeros(q_len + 1, dtype=torch.long))
-    md.attach_trees([False, True], torch.zeros(2, q_len, 2, dtype=torch.int32))
+    md.attach_trees([False, True], torch.zeros(2, q_len, 3, dtype=torch.int32))
     plan = cpu_attention._plan(md, bs, True, "vec")
     assert plan.vllm is not None                       # the decode row: vLLM's kernel
     if isa == "avx512":
