@@ -121,23 +121,28 @@ def attention_path(request, monkeypatch):
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
 def test_big_trees_go_to_the_kernel_where_it_is_built_for_avx512(isa, monkeypatch):
     """On the vec layout a tree of 65 rows (64 nodes and the root) is attended by the compiled
-    kernel when it was built for AVX-512 (ahead of SDPA past 65 rows) and by SDPA on an AVX2
-    build."""
+    kernel when it was built for AVX-512 (ahead of SDPA past 65 rows), and so is a decode
+    row in the same step (ahead of vLLM's kernel, and one call instead of two); a prompt
+    chunk longer than any tree stays with vLLM's kernel. On an AVX2 build: the tree to SDPA,
+    the decode row and the chunk to vLLM's kernel."""
     monkeypatch.setattr(cpu_kernel, "isa", lambda: isa)
-    q_len, seq_len, bs = 65, 200, 32
-    md = DARTreeCPUMetadata(num_actual_tokens=q_len + 1, max_query_len=q_len,
-                            query_start_loc=torch.tensor([0, 1, q_len + 1], dtype=torch.int32),
+    q_len, chunk, seq_len, bs = 65, 100, 200, 32
+    rows = [1, q_len, chunk]
+    md = DARTreeCPUMetadata(num_actual_tokens=sum(rows), max_query_len=chunk,
+                            query_start_loc=torch.tensor([0, 1, 1 + q_len, sum(rows)],
+                                                         dtype=torch.int32),
                             max_seq_len=seq_len,
-                            seq_lens=torch.tensor([seq_len, seq_len], dtype=torch.int32),
-                            block_table=torch.arange(14, dtype=torch.int32).reshape(2, 7),
-                            slot_mapping=torch.zeros(q_len + 1, dtype=torch.long))
-    md.attach_trees([False, True], torch.zeros(2, q_len, 3, dtype=torch.int32))
+                            seq_lens=torch.tensor([seq_len] * 3, dtype=torch.int32),
+                            block_table=torch.arange(21, dtype=torch.int32).reshape(3, 7),
+                            slot_mapping=torch.zeros(sum(rows), dtype=torch.long))
+    md.attach_trees([False, True, False], torch.zeros(3, chunk, 4, dtype=torch.int32))
     plan = cpu_attention._plan(md, bs, True, "vec")
-    assert plan.vllm is not None                       # the decode row: vLLM's kernel
     if isa == "avx512":
-        assert plan.kernel.tolist() == [1] and not plan.batched
+        assert plan.kernel.tolist() == [0, 1] and not plan.batched
+        assert plan.vllm.rows.tolist() == list(range(1 + q_len, sum(rows)))   # the chunk
     else:
         assert plan.kernel is None and plan.batched == [1]
+        assert plan.vllm.rows.tolist() == [0, *range(1 + q_len, sum(rows))]
 
 
 @pytest.fixture(params=["token", "vec"])
@@ -298,9 +303,10 @@ def test_cpu_kernel_equals_the_sdpa_path(seed, requests, group, dtype, d):
        kernel=st.sampled_from([None, False]))
 def test_vec_layout_equals_the_token_layout(seed, requests, dtype, d, kernel):
     """The same K/V written in both CPU layouts, the same random batch (decode rows, causal
-    chunks across blocks, trees of up to 40 rows, GQA): on vec, vLLM's kernel takes the
-    requests without a tree and dartree's kernel (or, kernel=False, SDPA over the gathered
-    blocks) the trees; the result equals the token layout's SDPA path."""
+    chunks across blocks, trees of up to 89 rows, GQA): on vec, vLLM's kernel takes the
+    requests without a tree (on an AVX-512 build only those longer than any tree, in steps
+    with trees) and dartree's kernel (or, kernel=False, SDPA over the gathered blocks) the
+    rest; the result equals the token layout's SDPA path."""
     gen = torch.Generator().manual_seed(seed)
     vec_kv = torch.zeros(1, 1, 32, 2 * d, dtype=dtype)
     with pytest.MonkeyPatch.context() as mp:
@@ -310,7 +316,7 @@ def test_vec_layout_equals_the_token_layout(seed, requests, dtype, d, kernel):
     if kernel is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler: the kernel cannot be built here")
     kvh, group, bs = 2, 3, 32
-    q_lens = [int(torch.randint(1, 41 if torch.rand(1, generator=gen) < 0.3 else 10, (1,),
+    q_lens = [int(torch.randint(1, 90 if torch.rand(1, generator=gen) < 0.3 else 10, (1,),
                                 generator=gen)) for _ in range(requests)]
     seq_lens = [q + int(torch.randint(0, 100, (1,), generator=gen)) for q in q_lens]
     trees = [bool(torch.rand(1, generator=gen) < 0.5) for _ in range(requests)]

@@ -46,6 +46,7 @@ class DecayedLeastSquares:
         # the current fit, so one bad second cannot make drafting look dear for minutes
         self.warmup, self.clip = warmup, clip
         self._seen = 0
+        self._theta: np.ndarray | None = None   # the fit of the statistics as they stand
 
     def add(self, x, y: float) -> None:
         x = np.asarray(x, dtype=np.float64)
@@ -60,8 +61,16 @@ class DecayedLeastSquares:
         self.xy = self.decay * self.xy + x * float(y)
         self.weight = self.decay * self.weight + 1.0
         self.count += 1
+        self._theta = None
 
     def theta(self) -> np.ndarray:
+        """The fitted coefficients (solved once per change of the statistics: the plan of a
+        step and the clip of its observation share one solve)."""
+        if self._theta is None:
+            self._theta = self._solve()
+        return self._theta
+
+    def _solve(self) -> np.ndarray:
         # the prior counts as `prior_weight` observations of typical size per feature
         typical = np.diag(self.xx) / self.weight if self.weight > 0 else np.ones(len(self.prior))
         ridge = self.prior_weight * np.diag(np.maximum(typical, 1e-12))

@@ -252,15 +252,19 @@ def _plan(md: DARTreeCPUMetadata, block_size: int, use_kernel: bool, layout: str
     q_lens = [qsl[r + 1] - qsl[r] for r in range(len(seq_lens))]
     live = [r for r, q in enumerate(q_lens) if q > 0]
     vllm_call = None
-    if layout == "vec":   # requests without a tree: vLLM's kernel
+    max_rows = KERNEL_MAX_ROWS
+    avx512 = use_kernel and cpu_kernel.isa() == "avx512"
+    if layout == "vec":
+        max_rows = VEC_KERNEL_MAX_ROWS_AVX512 if avx512 else VEC_KERNEL_MAX_ROWS
+        # requests without a tree: vLLM's kernel; in a step with trees, on an AVX-512
+        # build, the decode rows and chains that fit the kernel go with the trees to it
         causal = [r for r in live if md.is_tree is None or not md.is_tree[r]]
+        if avx512 and md.is_tree is not None:
+            causal = [r for r in causal if q_lens[r] > max_rows]
         if causal:
             vllm_call = _vllm_call(md, causal, q_lens, len(causal) == len(live))
-        live = [r for r in live if md.is_tree is not None and md.is_tree[r]]
-    max_rows = KERNEL_MAX_ROWS
-    if layout == "vec":
-        max_rows = (VEC_KERNEL_MAX_ROWS_AVX512 if use_kernel and cpu_kernel.isa() == "avx512"
-                    else VEC_KERNEL_MAX_ROWS)
+        vllm_rows = set(causal)
+        live = [r for r in live if r not in vllm_rows]
     kernel = [r for r in live if use_kernel and q_lens[r] <= max_rows]
     rest = [r for r in live if not (use_kernel and q_lens[r] <= max_rows)]
     batched = [r for r in rest if q_lens[r] <= BATCHED_MAX_ROWS]
