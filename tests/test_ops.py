@@ -1,6 +1,8 @@
 """The dispatch point: torch references on CPU, Triton only for CUDA tensors."""
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm_dartree import ops
 from vllm_dartree.tree import ancestor_mask
@@ -42,3 +44,18 @@ def test_paged_attention_routes_to_the_kernel(monkeypatch):
     assert torch.equal(ops.paged_attention(q, k, v, batch, 0.25, 3), ref)
     monkeypatch.setattr(ops, "use_triton", lambda t: True)
     torch.testing.assert_close(ops.paged_attention(q, k, v, batch, 0.25, 3), ref)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 6), vocab=st.integers(1, 300),
+       levels=st.integers(1, 4), nans=st.booleans(), dtype=st.sampled_from(
+           [torch.float32, torch.bfloat16, torch.float64]))
+def test_argmax_is_torch_argmax_with_ties_and_nans(seed, rows, vocab, levels, nans, dtype):
+    """`ops.argmax` (max(dim).indices on the CPU) against `argmax(dim=-1)`, whose first
+    maximum greedy decoding follows: few distinct values (ties everywhere), NaNs, -inf."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (rows, 2, vocab), generator=gen).to(dtype)
+    x[torch.rand(x.shape, generator=gen) < 0.1] = float("-inf")
+    if nans:
+        x[torch.rand(x.shape, generator=gen) < 0.05] = float("nan")
+    assert torch.equal(ops.argmax(x), x.argmax(dim=-1))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm_dartree import ops
 from vllm_dartree.engine.tree_inputs import StepTrees
 from vllm_dartree.tree import TreeBatch
 from vllm_dartree.tree.verify import sample_target_tokens, walk
@@ -283,7 +284,7 @@ class TreeSamplerMixin:
         (`position_noise`): the same whatever tree, step or batch a position is sampled in,
         so its output is reproducible under the adaptive budget; unseeded requests use the
         global generator. `requests`: only those (default: every request with a tree)."""
-        tokens = logits.argmax(dim=-1)
+        tokens = ops.argmax(logits)
         generators = self.input_batch.sampling_metadata.generators
         for i in range(len(step.req_ids)) if requests is None else requests:
             rid = step.req_ids[i]

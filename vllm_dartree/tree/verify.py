@@ -76,7 +76,7 @@ def walk(tree: TreeBatch, target_tokens: torch.Tensor,
 def greedy_walk(tree: TreeBatch, target_logits: torch.Tensor,
                 mask: torch.Tensor | None = None) -> WalkResult:
     """Temperature 0: target_logits [R, 1 + N, V] -> argmax at every column, then walk."""
-    return walk(tree, target_logits.argmax(dim=-1), mask)
+    return walk(tree, ops.argmax(target_logits), mask)
 
 
 def sampled_walk(
@@ -109,14 +109,14 @@ def sample_target_tokens(
     requests with None (or no list at all) use the global generator; `noise` [R, T, V]
     (i.i.d. Exp(1)) replaces the draws altogether (position-keyed noise, see the runner).
     """
-    greedy = logits.argmax(dim=-1)
+    greedy = ops.argmax(logits)
     scaled = logits.float() / temperature.clamp(min=1e-6).float()[:, None, None]
     if top_k is not None or top_p is not None:
         scaled = _top_k_top_p(scaled, top_k, top_p)
     probs = torch.softmax(scaled, dim=-1)
     if noise is None:
         noise = _exponential_noise(probs, generators)
-    sampled = (probs / noise).argmax(dim=-1)
+    sampled = ops.argmax(probs / noise)
     return torch.where(temperature[:, None] > 0, sampled, greedy)
 
 
