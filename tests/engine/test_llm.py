@@ -179,20 +179,22 @@ def test_dartree_greedy_equals_plain_one_seq_and_matches_reference(tiny, plain, 
         assert res["spec"]["per_step_accepted"] == [r.accepted for r in ref.rounds]
 
 
-@pytest.mark.parametrize("builder,budget,draft_vocab", [("ddtree", TREE["budget"], 0),
-                                                       ("chain", 6, 0),
-                                                       ("dartree", TREE["budget"], 96)])
+@pytest.mark.parametrize("builder,budget,draft_vocab,dtype", [
+    ("ddtree", TREE["budget"], 0, "auto"), ("chain", 6, 0, "float32"),
+    ("dartree", TREE["budget"], 96, "bfloat16")])
 def test_baseline_builders_equal_plain(tiny, plain, prompts, builder, budget, draft_vocab,
-                                       tmp_path):
+                                       dtype, tmp_path):
     """The chain at a budget below the drafter's 16 depths: it is cut at the budget (it once
     handed vLLM 16 drafts for 6 per-position counters and killed the engine). A drafter with
-    a reduced draft vocabulary (96 tokens) drafts target ids through the engine's builder."""
+    a reduced draft vocabulary (96 tokens) drafts target ids through the engine's builder,
+    in bfloat16 beside the fp32 target (`drafter_dtype`; the chain's drafter in fp32 on
+    every machine, `auto` elsewhere: bf16 on a CPU with AMX)."""
     from vllm_dartree.testing import write_tiny_drafter
     drafter = tiny["drafter"]
     if draft_vocab:
         drafter = write_tiny_drafter(tmp_path / "draft-vocab", "domino", tiny["target"],
                                      draft_vocab=draft_vocab)
-    spec = dartree_spec(drafter, builder=builder, budget=budget)
+    spec = dartree_spec(drafter, builder=builder, budget=budget, drafter_dtype=dtype)
     engine = engine_kwargs(tiny["target"], **BATCHED, speculative_config=spec)
     subset = prompts[:15] + prompts[-1:]     # 16 requests for 8 slots; the chunked prompt
     params = _greedy(prompts)

@@ -472,3 +472,44 @@ def test_a_field_vllm_adds_later_takes_vllms_sampler():
 
     assert full_sampler_fields(Later()) == []
     assert full_sampler_fields(Later(later_feature=3)) == ["later_feature"]
+
+
+@pytest.mark.parametrize("setting,device,flags,want", [
+    ("auto", "cpu", {"avx512f", "amx_bf16", "amx_tile"}, torch.bfloat16),
+    ("auto", "cpu", {"avx2", "fma"}, torch.float32),        # no AMX: bf16 would be slower
+    ("auto", "cuda", {"amx_bf16", "amx_tile"}, torch.float32),
+    ("model", "cpu", {"amx_bf16", "amx_tile"}, torch.float32),
+    ("float32", "cpu", {"amx_bf16", "amx_tile"}, torch.float32),
+    ("bfloat16", "cpu", set(), torch.bfloat16)])
+def test_drafter_dtype_follows_the_setting_and_the_cpu(setting, device, flags, want):
+    """`drafter_dtype`: `auto` is bfloat16 only on a CPU with AMX, the target's dtype
+    elsewhere; `model` and explicit dtypes are taken as they are."""
+    from vllm_dartree.engine.proposer import drafter_dtype
+    assert drafter_dtype(setting, torch.float32, device, cpu_flags=flags) == want
+
+
+def test_a_bf16_drafter_casts_the_targets_head_once(tiny):
+    """A drafter in bfloat16 beside an fp32 target: its output projection (the target's
+    lm_head, or its draft-vocabulary rows) is cast once and reused, and its logits equal
+    those of the fp32 head cast by hand."""
+    from vllm_dartree.drafter import ContextCache, TargetInfo, load_drafter
+    from transformers import AutoConfig
+    text = AutoConfig.from_pretrained(tiny["target"])
+    info = TargetInfo(hidden_size=text.hidden_size, vocab_size=text.vocab_size,
+                      num_hidden_layers=text.num_hidden_layers)
+    gen = torch.Generator().manual_seed(0)
+    embed = torch.randn(text.vocab_size, text.hidden_size, generator=gen)
+    head = torch.randn(text.vocab_size, text.hidden_size, generator=gen)
+    drafter = load_drafter(tiny["drafter"], info, embed, head, dtype=torch.bfloat16)
+    backbone = drafter.backbone
+    assert backbone.fc.weight.dtype == torch.bfloat16 and backbone.output_weight.dtype == torch.float32
+    first = backbone._output_weight_as(torch.bfloat16)
+    assert first is backbone._output_weight_as(torch.bfloat16)       # cast once
+    assert torch.equal(first, backbone.output_weight.to(torch.bfloat16))
+    cache = ContextCache()
+    width = len(drafter.spec.target_layer_ids) * text.hidden_size
+    backbone.extend_context(cache, ["r"], [torch.randn(5, width, generator=gen)])
+    out = backbone(cache, ["r"], torch.tensor([3]), num_depths=2)
+    assert out.base_logits.dtype == torch.bfloat16
+    want = out.hidden.float() @ backbone.output_weight.to(torch.bfloat16).float().T
+    torch.testing.assert_close(out.base_logits.float(), want, atol=0.1, rtol=0.02)

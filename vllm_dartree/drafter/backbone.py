@@ -147,6 +147,18 @@ class DFlashBackbone(nn.Module):
         """The output projection: the target's lm_head, or its rows of the draft vocabulary."""
         return self.lm_head_weight if self._draft_head is None else self._draft_head
 
+    def _output_weight_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """`output_weight` in the drafter's dtype, cast once (the target's lm_head stays in
+        the target's dtype; a drafter run in bf16 beside an fp32 target would otherwise
+        cast its rows every pass)."""
+        weight = self.output_weight
+        if weight.dtype == dtype:
+            return weight
+        cached = self.__dict__.get("_output_cast")
+        if cached is None or cached[0] is not weight or cached[1].dtype != dtype:
+            cached = self._output_cast = (weight, weight.to(dtype))
+        return cached[1]
+
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta, dtype)
 
@@ -200,7 +212,7 @@ class DFlashBackbone(nn.Module):
             v_i = ctx_v[i] if ctx_v.shape[0] else k_i
             x = layer(x, k_i, v_i, valid, cos, sin, queries=read if i == last else None)
         hidden = self.norm(x)
-        logits = linear(hidden, self.output_weight.to(hidden.dtype))
+        logits = linear(hidden, self._output_weight_as(hidden.dtype))
         return DraftOutput(hidden=hidden, base_logits=logits, vocab_ids=self.draft_vocab)
 
     def anchored_forward(self, target_hidden: torch.Tensor, tokens: torch.Tensor,
