@@ -21,8 +21,8 @@ speculation. `fixed` is DARTree verifying `budget` nodes every round (`adaptive:
 `dartree-nolookup` is DARTree (adaptive) without lookup branches (`lookup: false`);
 `dartree-match5` trusts a lookup continuation by its n-gram order alone
 (`lookup_max_match: 5`, as before the match's full extent was measured).
-`dartree-model-dtype` runs the drafter in the target's dtype (`drafter_dtype: model`; the
-default, `auto`, is bfloat16 on a CPU with AMX).
+`dartree-bf16-drafter` runs the drafter in bfloat16 on a CPU with AMX (`drafter_dtype:
+auto`; the default runs it in the target's dtype).
 `dartree-conf` is DARTree (the defaults) planning with the target's confidence too
 (`VLLM_DARTREE_CONFIDENCE=1`, an opt-in experiment).
 `dartree-alt` is DARTree (the defaults) with the drafter of `--alt-drafter`, to compare two
@@ -51,7 +51,7 @@ KV_CACHE_BYTES = 512 << 20
 METHODS = ("plain", "dartree", "ddtree", "chain", "oracle")
 EXTRA_METHODS = ("plugin-plain", "ngram", "fixed", "oracle-adaptive", "dartree-nolookup",
                  "dartree-alt", "plain-sync", "dartree-conf", "dartree-match5",
-                 "dartree-model-dtype")
+                 "dartree-bf16-drafter")
 
 
 def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
@@ -79,8 +79,8 @@ def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
         kw["speculative_config"] = {**tree, "lookup": False}
     elif method == "dartree-match5":     # lookup's prior from the n-gram order alone
         kw["speculative_config"] = {**tree, "lookup_max_match": 5}
-    elif method == "dartree-model-dtype":   # the drafter in the target's dtype
-        kw["speculative_config"] = {**tree, "drafter_dtype": "model"}
+    elif method == "dartree-bf16-drafter":   # bfloat16 where the CPU has AMX
+        kw["speculative_config"] = {**tree, "drafter_dtype": "auto"}
     elif method == "plain-sync":
         kw["async_scheduling"] = False
     elif method == "dartree-alt":

@@ -59,12 +59,13 @@ class DARTreeConfig(BaseModel):
     `ngram` proposer drafts them, several per round). They are verified in the same pass and
     ranked with the drafter's nodes by calibrated acceptance, one estimate per source."""
 
-    drafter_dtype: Literal["auto", "model", "float32", "bfloat16", "float16"] = "auto"
+    drafter_dtype: Literal["model", "auto", "float32", "bfloat16", "float16"] = "model"
     """Engines only: the dtype the drafter runs in (its features, context K/V, layers and
     head; tree scores are always computed in float32, and the target is untouched, so the
     output does not depend on it). `model`: the target's dtype. `auto`: bfloat16 on a CPU
-    with AMX (bf16 matrix units: a SmolLM2 drafter's products about 3x faster there than in
-    fp32), else the target's dtype."""
+    with AMX (bf16 matrix units: the SmolLM2 drafter's pass 5.6 -> 3.0 ms there, but its
+    head's per-depth steps slower; no tokens/s gain measured beyond noise, run Z in
+    docs/engine.md), else the target's dtype."""
 
     lookup_share: float = Field(0.5, gt=0, le=1)
     """The most nodes lookup may add to a tree, as a fraction of `budget` (rounded up)."""

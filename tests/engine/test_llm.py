@@ -187,8 +187,8 @@ def test_baseline_builders_equal_plain(tiny, plain, prompts, builder, budget, dr
     """The chain at a budget below the drafter's 16 depths: it is cut at the budget (it once
     handed vLLM 16 drafts for 6 per-position counters and killed the engine). A drafter with
     a reduced draft vocabulary (96 tokens) drafts target ids through the engine's builder,
-    in bfloat16 beside the fp32 target (`drafter_dtype`; the chain's drafter in fp32 on
-    every machine, `auto` elsewhere: bf16 on a CPU with AMX)."""
+    in bfloat16 beside the fp32 target (`drafter_dtype`; the chain's drafter in fp32, the
+    DDTree case's `auto`: bf16 on a CPU with AMX, fp32 elsewhere)."""
     from vllm_dartree.testing import write_tiny_drafter
     drafter = tiny["drafter"]
     if draft_vocab:

@@ -326,9 +326,10 @@ def test_vec_layout_equals_the_token_layout(seed, requests, dtype, d, kernel):
     qmax = max(q_lens)
     bits = torch.zeros(requests, qmax, -(-qmax // 32), dtype=torch.int32)
     for r, q in enumerate(q_lens):
-        if trees[r]:
-            bits[r, :q] = mask_to_bitmask(ancestor_mask(_random_tree(q - 1, gen)[None])
-                                          if q > 1 else torch.ones(1, 1, 1, dtype=torch.bool))[0]
+        if trees[r]:   # a tree narrower than the widest request fills its first words
+            own = mask_to_bitmask(ancestor_mask(_random_tree(q - 1, gen)[None])
+                                  if q > 1 else torch.ones(1, 1, 1, dtype=torch.bool))[0]
+            bits[r, :q, :own.shape[-1]] = own
     k_rows = torch.randn(nb * bs, kvh, d, generator=gen).to(dtype)
     v_rows = torch.randn(nb * bs, kvh, d, generator=gen).to(dtype)
     t = sum(q_lens)

@@ -22,9 +22,9 @@ def drafter_dtype(setting: str, model_dtype: torch.dtype, device: torch.device |
                   cpu_flags: set[str] | None = None) -> torch.dtype:
     """The dtype the drafter runs in (`DARTreeConfig.drafter_dtype`): `model` and, except on
     a CPU with AMX, `auto` give the target's; `auto` on such a CPU gives bfloat16 (its
-    matrix units: one SmolLM2 drafter pass, 8 linear layers of 16 rows, 0.7 against 2.2 ms
-    in fp32 on one core of a Xeon here; without AMX bf16 products of few rows are slower
-    than fp32). `cpu_flags`: this CPU's (/proc/cpuinfo) unless given."""
+    matrix units: the SmolLM2 drafter's 8 linear layers of 16 rows 0.7 against 2.2 ms in
+    fp32 on one core of a Xeon here; without AMX bf16 products of few rows are slower than
+    fp32). `cpu_flags`: this CPU's (/proc/cpuinfo) unless given."""
     if setting == "model":
         return model_dtype
     if setting != "auto":
