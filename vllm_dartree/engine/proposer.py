@@ -32,8 +32,8 @@ def drafter_dtype(setting: str, model_dtype: torch.dtype, device: torch.device |
     if torch.device(device).type != "cpu":
         return model_dtype
     if cpu_flags is None:
-        from vllm_dartree.engine.cpu_kernel import _cpu_flags
-        cpu_flags = _cpu_flags()
+        from vllm_dartree.engine import cpu_kernel
+        cpu_flags = cpu_kernel.cpu_flags()
     return torch.bfloat16 if {"amx_bf16", "amx_tile"} <= cpu_flags else model_dtype
 
 

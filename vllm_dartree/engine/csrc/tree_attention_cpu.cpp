@@ -124,10 +124,6 @@ inline const float* as_float(const T* src, float* buf, int64_t n) {
 template <>
 inline const float* as_float<float>(const float* src, float*, int64_t) { return src; }
 
-// exp(x) for a tile of scores, vectorised (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a
-// degree-6 polynomial for e^r, 2^n from the exponent bits; within 2 ulp of std::exp), in
-// place of a scalar std::exp per score. Masked scores (-inf) and anything
-// below -87.3 give exactly 0, so a column a row does not see never weighs in.
 // The sum and the max of a tile's n scores. A full tile is folded in halves (16 + 16, then
 // 8 + 8, ...: vector adds and maxes); a plain loop over t stays a chain of dependent scalar
 // operations without -ffast-math (32 x 4 cycles, the kernel's largest cost after the FMAs).
@@ -156,6 +152,10 @@ inline float tile_max(const float* s, int64_t n, float m) {
   return std::max(m, part[0]);
 }
 
+// exp(x) for a tile of scores, vectorised (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a
+// degree-6 polynomial for e^r, 2^n from the exponent bits; within 2 ulp of std::exp), in
+// place of a scalar std::exp per score; returns their sum. Masked scores (-inf) and anything
+// below -87.3 give exactly 0, so a column a row does not see never weighs in.
 inline float exp_tile(float* s, int64_t n, float m) {
 #pragma omp simd
   for (int64_t t = 0; t < n; ++t) {
