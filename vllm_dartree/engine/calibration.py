@@ -33,18 +33,39 @@ _SCORE_EDGES = np.array([-8.0, -6.0, -5.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.0, -
                          -0.25, -0.1])                 # bin s: scores in [edge s-1, edge s)
 
 
+def _centres() -> np.ndarray:
+    """exp of each score bin's centre, per depth group: an unvisited bin's prior."""
+    edges = np.concatenate([[-10.0], _SCORE_EDGES, [0.0]])
+    centres = np.exp((edges[:-1] + edges[1:]) / 2)
+    out = np.broadcast_to(centres, (len(_DEPTH_EDGES), len(centres))).copy()
+    out.flags.writeable = False
+    return out
+
+
+_BIN_CENTRES = _centres()
+
+
 def isotonic_increasing(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Weighted least-squares non-decreasing fit of `values` (pool adjacent violators)."""
-    blocks: list[list[float]] = []        # [mean, weight, count]
-    for v, w in zip(values.tolist(), weights.tolist()):
-        blocks.append([v, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            m2, w2, c2 = blocks.pop()
-            m1, w1, c1 = blocks.pop()
-            total = w1 + w2
-            mean = (m1 * w1 + m2 * w2) / total if total > 0 else (m1 + m2) / 2
-            blocks.append([mean, total, c1 + c2])
-    return np.concatenate([np.full(c, m) for m, _, c in blocks])
+    """Weighted least-squares non-decreasing fit of `values` [..., n] along the last axis
+    (`weights` > 0, the same shape), every row at once: the fit at i is the max over j <= i
+    of the min over k >= i of the weighted mean of values[j..k] (the min-max form of the
+    isotonic regression, equal to pool-adjacent-violators' blocks), from prefix sums. For
+    the calibration's 7 x 14 table it is one vectorised pass (0.03 against 0.28 ms for
+    PAV in Python, which ran after every verified tree)."""
+    v = np.asarray(values, dtype=np.float64)
+    w = np.broadcast_to(np.asarray(weights, dtype=np.float64), v.shape)
+    n = v.shape[-1]
+    zero = np.zeros(v.shape[:-1] + (1,))
+    sw = np.concatenate([zero, np.cumsum(w, axis=-1)], axis=-1)
+    sv = np.concatenate([zero, np.cumsum(w * v, axis=-1)], axis=-1)
+    # mean[..., j, k] of values[j..k] (k >= j); +inf below the diagonal
+    upper = np.triu(np.ones((n, n), dtype=bool))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mean = (sv[..., None, 1:] - sv[..., :-1, None]) / (sw[..., None, 1:] - sw[..., :-1, None])
+    mean = np.where(upper, mean, np.inf)
+    # suffix minimum over k >= i, then the maximum over j <= i
+    low = np.flip(np.minimum.accumulate(np.flip(mean, -1), axis=-1), -1)
+    return np.where(upper, low, -np.inf).max(axis=-2)
 
 
 class AcceptanceCalibrator:
@@ -77,22 +98,20 @@ class AcceptanceCalibrator:
             raw = (self.hits + w * prior) / (self.visits + w)
             # a bin nobody visited carries only its prior: it must not pull visited bins
             # down (or up); the fit lifts it to its neighbours instead
-            table = np.stack([isotonic_increasing(row, np.where(v > 1e-9, v + w, 1e-3))
-                              for row, v in zip(raw, self.visits)])
+            table = isotonic_increasing(raw, np.where(self.visits > 1e-9, self.visits + w,
+                                                      1e-3))
             # deeper groups never higher than a shallower group's *visited* bin (an empty
-            # bin holds only its prior and bounds nothing)
-            bound = np.full(table.shape[1], np.inf)
-            for g in range(table.shape[0]):
-                table[g] = np.minimum(table[g], bound)
-                bound = np.minimum(bound, np.where(self.visits[g] > 1e-9, table[g], np.inf))
+            # bin holds only its prior and bounds nothing): group g is bounded by the
+            # running minimum of the visited bins of groups 0..g-1
+            visited = np.where(self.visits > 1e-9, table, np.inf)
+            bound = np.minimum.accumulate(visited, axis=0)
+            table[1:] = np.minimum(table[1:], bound[:-1])
             self._table = table
         return self._table
 
     @staticmethod
     def _bin_centres() -> np.ndarray:
-        edges = np.concatenate([[-10.0], _SCORE_EDGES, [0.0]])
-        centres = np.exp((edges[:-1] + edges[1:]) / 2)
-        return np.broadcast_to(centres, (len(_DEPTH_EDGES), len(centres))).copy()
+        return _BIN_CENTRES
 
     def predict(self, scores: np.ndarray, depths: np.ndarray,
                 rid: Hashable | None = None) -> np.ndarray:
@@ -106,7 +125,7 @@ class AcceptanceCalibrator:
     def correction(self, rid: Hashable) -> float:
         observed, predicted = self._req.get(rid, (0.0, 0.0))
         lo, hi = self.correction_range
-        return float(np.clip((observed + 1.0) / (predicted + 1.0), lo, hi))
+        return min(max((observed + 1.0) / (predicted + 1.0), lo), hi)   # scalars: no numpy
 
     def update(self, scores: np.ndarray, depths: np.ndarray, accepted: np.ndarray,
                rid: Hashable | None = None) -> tuple[float, float]:
@@ -115,24 +134,50 @@ class AcceptanceCalibrator:
         Returns (predicted, observed) accepted length of this tree, the prediction made
         before the update (with the request's correction): what the metrics compare.
         """
-        scores = np.asarray(scores, dtype=np.float64)
-        predicted = float(self.predict(scores, depths, rid).sum()) if len(scores) else 0.0
-        observed = float(np.count_nonzero(accepted))
-        self.hits *= self.decay
-        self.visits *= self.decay
-        self.prior_mass *= self.decay
-        if len(scores):
-            g, s = self._bins(scores, np.asarray(depths))
-            np.add.at(self.hits, (g, s), np.asarray(accepted, dtype=np.float64))
-            np.add.at(self.visits, (g, s), 1.0)
-            np.add.at(self.prior_mass, (g, s), np.exp(scores))
+        return self.update_many([(scores, depths, accepted, rid)])[0]
+
+    def update_many(self, trees) -> list[tuple[float, float]]:
+        """Add a step's verified trees [(scores, depths, accepted, rid)], in order: the counts
+        equal `update` called tree by tree (tree j's decayed by the k - 1 - j updates after
+        it), and every prediction is made with the table as it was before them (the table the
+        step's plan used; tree by tree, each update rebuilt it for the next prediction)."""
+        k = len(trees)
+        if not k:
+            return []
+        table = self.table()
+        out, bins, weights, labels, masses = [], [], [], [], []
+        for j, (scores, depths, accepted, rid) in enumerate(trees):
+            scores = np.asarray(scores, dtype=np.float64)
+            observed = float(np.count_nonzero(accepted))
+            predicted = 0.0
+            if len(scores):
+                g, s = self._bins(scores, np.asarray(depths))
+                p = table[g, s]
+                if rid is not None:
+                    p = np.minimum(p * self.correction(rid), 1.0)
+                predicted = float(p.sum())
+                bins.append((g, s))
+                weights.append(np.full(len(scores), self.decay ** (k - 1 - j)))
+                labels.append(np.asarray(accepted, dtype=np.float64))
+                masses.append(np.exp(scores))
+            if rid is not None:
+                pool = predicted / self.correction(rid)     # the pool's view of this tree
+                obs, pred = self._req.get(rid, (0.0, 0.0))
+                d = self.request_decay
+                self._req[rid] = (d * obs + observed, d * pred + pool)
+            out.append((predicted, observed))
+        scale = self.decay ** k
+        self.hits *= scale
+        self.visits *= scale
+        self.prior_mass *= scale
+        if bins:
+            at = (np.concatenate([g for g, _ in bins]), np.concatenate([s for _, s in bins]))
+            w = np.concatenate(weights)
+            np.add.at(self.hits, at, w * np.concatenate(labels))
+            np.add.at(self.visits, at, w)
+            np.add.at(self.prior_mass, at, w * np.concatenate(masses))
             self._table = None
-        if rid is not None:
-            pool = predicted / self.correction(rid)     # the pool's view of this tree
-            obs, pred = self._req.get(rid, (0.0, 0.0))
-            d = self.request_decay
-            self._req[rid] = (d * obs + observed, d * pred + pool)
-        return predicted, observed
+        return out
 
     def free(self, rid: Hashable) -> None:
         self._req.pop(rid, None)

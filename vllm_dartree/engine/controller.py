@@ -169,8 +169,7 @@ class TreeBudget:
         pool_pred = sum(self._bias[greedy, c][1] for c in range(NUM_BATCH_CLASSES))
         pool = (pool_obs + 1.0) / (pool_pred + 1.0)
         observed, predicted = self._bias[greedy, batch]
-        return float(np.clip((observed + BIAS_PRIOR * pool) / (predicted + BIAS_PRIOR),
-                             0.25, 1.0))
+        return min(max((observed + BIAS_PRIOR * pool) / (predicted + BIAS_PRIOR), 0.25), 1.0)
 
     def confidence_factor(self, greedy: bool, confidence: float | None) -> float:
         """The bin's observed / predicted accepted tokens over the temperature class's
@@ -369,15 +368,38 @@ class TreeBudget:
     def observe_walk(self, rid, greedy: bool, scores: np.ndarray, depths: np.ndarray,
                      accepted: Sequence[int], sources: np.ndarray | None = None) -> None:
         """A verified tree (its scheduled prefix) and the node indices the walk accepted."""
-        labels = np.zeros(len(scores), dtype=bool)
-        labels[list(accepted)] = True
-        if sources is None:
-            sources = np.full(len(scores), DRAFTER)
-        predicted = observed = 0.0
-        for src in np.unique(sources).tolist():
-            at = sources == src
-            pr, ob = self.calibrators[greedy, src].update(scores[at], depths[at], labels[at], rid)
-            predicted, observed = predicted + pr, observed + ob
+        self.observe_walks([(rid, greedy, scores, depths, accepted, sources)])
+
+    def observe_walks(self, walks) -> None:
+        """A step's verified trees [(rid, greedy, scores, depths, accepted, sources)], in
+        order: each calibrator takes its nodes of all of them in one update (one table
+        rebuild per step instead of one per tree: 2.2 -> 0.5 ms for three trees here)."""
+        parts: dict[tuple[bool, int], list] = {}    # calibrator -> [(tree j, its nodes)]
+        trees = []
+        for j, (rid, greedy, scores, depths, accepted, sources) in enumerate(walks):
+            labels = np.zeros(len(scores), dtype=bool)
+            labels[list(accepted)] = True
+            if sources is None:
+                sources = np.full(len(scores), DRAFTER)
+            trees.append((rid, greedy, scores, labels, sources))
+            for src in np.unique(sources).tolist():
+                at = sources == src
+                parts.setdefault((greedy, src), []).append(
+                    (j, (scores[at], depths[at], labels[at], rid)))
+        predicted = np.zeros(len(trees))
+        observed = np.zeros(len(trees))
+        for key, items in parts.items():
+            results = self.calibrators[key].update_many([nodes for _, nodes in items])
+            for (j, _), (pr, ob) in zip(items, results):
+                predicted[j] += pr
+                observed[j] += ob
+        for j, (rid, greedy, scores, labels, sources) in enumerate(trees):
+            self._book_walk(rid, greedy, len(scores), labels, sources, float(predicted[j]),
+                            float(observed[j]))
+
+    def _book_walk(self, rid, greedy: bool, nodes: int, labels: np.ndarray,
+                   sources: np.ndarray, predicted: float, observed: float) -> None:
+        """A walked tree's selection bias, confidence bin, counters and trace event."""
         shrink = self.shrink(greedy)        # what the plan used for this tree
         raw = predicted
         bias = self._bias[greedy, self._class]
@@ -388,7 +410,7 @@ class TreeBudget:
             cell = self._conf[greedy, booked[0]]
             cell[0] = CONF_DECAY * cell[0] + observed
             cell[1] = CONF_DECAY * cell[1] + predicted
-            predicted = min(predicted * booked[1], float(len(scores)))
+            predicted = min(predicted * booked[1], float(nodes))
         predicted *= shrink
         s = self.stats
         for name, src in (("lookup", LOOKUP), ("shared", BOTH)):
@@ -396,9 +418,9 @@ class TreeBudget:
             s[f"{name}_nodes"] += int(np.count_nonzero(at))
             s[f"{name}_accepted"] += int(np.count_nonzero(labels & at))
         s["rounds"] += 1
-        s["nodes"] += len(scores)
+        s["nodes"] += nodes
         if self.trace is not None:
-            self.trace.event("walk", nodes=len(scores), predicted=float(predicted),
+            self.trace.event("walk", nodes=nodes, predicted=float(predicted),
                              observed=float(observed), raw=float(raw),
                              conf=None if booked is None else int(booked[0]))
         s["predicted_accepted"] += predicted

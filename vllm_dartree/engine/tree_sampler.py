@@ -229,10 +229,10 @@ class TreeSamplerMixin:
         """The calibration's data: each verified tree's nodes, labelled by the walk."""
         if self._dt_budget is None:
             return
-        for rid, tree, accepted, n in zip(step.req_ids, step.trees, step.accepted, num):
-            if n and tree is not None and tree.scores is not None and len(tree.tokens):
-                self._dt_budget.observe_walk(rid, self._dt_greedy(rid), tree.scores,
-                                             tree.depths.numpy(), accepted, tree.sources)
+        self._dt_budget.observe_walks([
+            (rid, self._dt_greedy(rid), tree.scores, tree.depths.numpy(), accepted, tree.sources)
+            for rid, tree, accepted, n in zip(step.req_ids, step.trees, step.accepted, num)
+            if n and tree is not None and tree.scores is not None and len(tree.tokens)])
 
     def _dt_tree_batch(self, step: StepTrees, device, num: list[int]) -> TreeBatch:
         """The step's trees as a batch; request i keeps its first num[i] drafts (0: none)."""
