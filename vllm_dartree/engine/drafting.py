@@ -77,15 +77,23 @@ class DraftingMixin:
             return out
         drafter = self._dt_drafter
         context = self._dt_context_for(drafter)
-        features = torch.cat(list(aux_hidden_states), dim=-1)
         accepted = step.accepted or [[] for _ in step.req_ids]
         draft_rows, roots = [], []
         token_ids = self.input_batch.token_ids_cpu
+        # every request's committed rows (prompt chunk or root, then its accepted nodes),
+        # gathered from the aux hidden states at once: one index per layer, then views
+        committed = [list(range(int(step.starts[i]),
+                                int(step.starts[i]) + int(step.rows[i]) - len(step.drafts[i])))
+                     + [int(step.starts[i]) + int(step.rows[i]) - len(step.drafts[i]) + node
+                        for node in accepted[i]] for i in range(len(step.req_ids))]
+        device = aux_hidden_states[0].device
+        index = torch.tensor([r for rows in committed for r in rows], dtype=torch.long,
+                             device=device)
+        features = torch.cat([h.index_select(0, index) for h in aux_hidden_states], dim=-1)
+        per_request = features.split([len(rows) for rows in committed])
         for i, rid in enumerate(step.req_ids):
-            p0, start = int(step.p0[i]), int(step.starts[i])
-            committed_rows = int(step.rows[i]) - len(step.drafts[i])
-            rows = list(range(start, start + committed_rows))
-            rows += [start + committed_rows + node for node in accepted[i]]
+            p0 = int(step.p0[i])
+            rows = committed[i]
             have = context.length(rid)
             if have > p0:                       # re-prefill after preemption: rewind
                 context.trim(rid, p0)
@@ -98,8 +106,7 @@ class DraftingMixin:
                 continue
             if self._dt_lookup is not None:
                 self._dt_lookup.sync(rid, token_ids[i], p0, len(rows))
-            context.add(rid, token_ids[i, p0:p0 + len(rows)].tolist(),
-                        features[torch.tensor(rows, device=features.device)])
+            context.add(rid, token_ids[i, p0:p0 + len(rows)].tolist(), per_request[i])
             sampled = sampled_token_ids[i] if i < len(sampled_token_ids) else []
             if sampled and not self._dt_needs_full(rid):   # vLLM's sampler: no tree
                 draft_rows.append(i)
@@ -140,7 +147,7 @@ class DraftingMixin:
             start = time.perf_counter()
             context.flush(rids)                 # the drafter sees every committed row
             # a tree of n nodes is at most n deep: a fixed budget needs no deeper drafts
-            trees = self._dt_safe_draft(drafter, rids, roots, features.device,
+            trees = self._dt_safe_draft(drafter, rids, roots, device,
                                         limit if plan is None else plan.depth)
             counts, tokens, parents, depths, scores = trees
             if budget is not None:

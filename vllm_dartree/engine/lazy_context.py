@@ -56,7 +56,8 @@ class LazyContext:
         self._pending[rid] = (tokens[:keep], [torch.cat(feats)[:keep]])
 
     def add(self, rid: Hashable, tokens: list[int], features: torch.Tensor) -> None:
-        """Rows committed this step (features: [T, F], a tensor of its own)."""
+        """Rows committed this step (features: [T, F]; the runner passes views of one tensor
+        gathered per step, which stay alive until the rows are flushed)."""
         if not tokens:
             return
         waiting, feats = self._pending.setdefault(rid, ([], []))

@@ -168,8 +168,14 @@ class TreeSamplerMixin:
             step.accepted = [[] for _ in num]
             self._dt_confidence(logits, step, offsets)
             self.input_batch.update_async_output_token_ids()
-            stock = self.sampler(logits=logits[roots],
-                                 sampling_metadata=self.input_batch.sampling_metadata)
+            metadata = self.input_batch.sampling_metadata
+            # without drafts the root rows are every row, in order: an all-greedy batch
+            # hands vLLM's sampler the logits themselves, as without speculation (0.45 ms
+            # of copying at 16 requests here); otherwise a copy, since the sampler may scale
+            # it in place and the seeded requests' draws below read the logits again
+            rows = logits if metadata.all_greedy and logits.shape[0] == len(num) \
+                else logits[roots]
+            stock = self.sampler(logits=rows, sampling_metadata=metadata)
             self._dt_seeded_roots(logits, step, offsets, stock.sampled_token_ids, full)
             return stock
         targets = self._dt_target_tokens(logits, step, offsets)
