@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from vllm_dartree.engine.budget import BatchCosts, cut, plan_budgets, throughput
 from vllm_dartree.engine.calibration import AcceptanceCalibrator, isotonic_increasing
 from vllm_dartree.engine.controller import (BIAS_DECAY, BIAS_PRIOR, CONF_RANGE, TreeBudget,
-                                            batch_class, confidence_bin)
+                                            _curve, _curves_sorted, batch_class,
+                                            confidence_bin)
 from vllm_dartree.engine.costs import DecayedLeastSquares, StepCosts
 from vllm_dartree.tree.lookup import DRAFTER
 
@@ -474,3 +475,22 @@ def test_top_probability_is_the_softmax_maximum():
     rows = np.array([0, 3, 6, 3])
     want = torch.softmax(logits[rows], -1).max(-1).values.numpy()
     np.testing.assert_allclose(top_probability(logits, rows), want, rtol=1e-6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 12), min_size=1, max_size=9), st.integers(1, 10),
+       st.integers(0, 2**32 - 1))
+def test_batched_curves_equal_the_per_request_curves(sizes, width, seed):
+    """The plan's curves of a whole batch at once equal `_curve` request by request (each
+    request's nodes by descending p; lookup nodes need no depth, so depths are not sorted)."""
+    gen = np.random.default_rng(seed)
+    sizes = np.array(sizes, dtype=np.int64)
+    p = np.concatenate([np.sort(gen.uniform(0, 1, n))[::-1] for n in sizes])
+    need = gen.integers(0, 9, int(sizes.sum()))
+    gains, depths = _curves_sorted(p, need, sizes, width)
+    ends = np.cumsum(sizes)
+    for i, n in enumerate(sizes.tolist()):
+        at = slice(ends[i] - n, ends[i])
+        want_gains, want_depths = _curve(p[at], need[at], width)
+        assert gains[i] == pytest.approx(want_gains, abs=1e-12)
+        assert depths[i].tolist() == want_depths.tolist()

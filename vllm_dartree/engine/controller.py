@@ -104,6 +104,34 @@ def _curve(p: np.ndarray, depths: np.ndarray, width: int) -> tuple[np.ndarray, n
     return gains, deep
 
 
+def _curves_sorted(p: np.ndarray, need: np.ndarray, sizes: np.ndarray,
+                   width: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_curve` of every request at once: p and need [sum(sizes)], request by request, each
+    request's nodes sorted by descending p (so its marginals are already non-increasing);
+    sizes [R]. Returns gains [R, width + 1] and depths [R, width + 1]."""
+    r = len(sizes)
+    starts = np.cumsum(sizes) - sizes
+    pos = np.arange(len(p)) - np.repeat(starts, sizes)      # rank within its request
+    keep = pos < width
+    owner = np.repeat(np.arange(r), sizes)[keep]
+    col = pos[keep] + 1
+    gains = np.zeros((r, width + 1))
+    deep = np.zeros((r, width + 1), dtype=np.int64)
+    # within a request: running sums of p and running maxima of the depths; across
+    # requests the depth maximum restarts (each request's depths offset above the last's)
+    pk, nk = p[keep], need[keep].astype(np.int64)
+    sums = np.cumsum(pk)
+    kept = np.bincount(owner, minlength=r)
+    first = np.cumsum(kept) - kept
+    base = np.concatenate([[0.0], sums])[first]
+    gains[owner, col] = sums - base[owner]
+    span = int(nk.max(initial=0)) + 1
+    deep[owner, col] = np.maximum.accumulate(nk + span * owner) - span * owner
+    # past a request's last node: its last values
+    last = np.minimum(np.arange(width + 1)[None, :], np.minimum(sizes, width)[:, None])
+    return np.take_along_axis(gains, last, 1), np.take_along_axis(deep, last, 1)
+
+
 class TreeBudget:
     def __init__(self, max_nodes: int, max_depth: int, explore_every: int = 16,
                  explore_max: int = 256, explore_nodes: tuple[int, ...] = (2, 4),
@@ -308,10 +336,7 @@ class TreeBudget:
             order = np.lexsort((node_depths, -p, owner))
             p, node_depths, sources = p[order], node_depths[order], sources[order]
             need = np.where(sources == LOOKUP, 0, node_depths)
-            ends = np.cumsum(sizes)
-            for i in np.nonzero(sizes)[0].tolist():
-                at = slice(ends[i] - sizes[i], ends[i])
-                gains[i], depths[i] = _curve(p[at], need[at], self.max_nodes)
+            gains, depths = _curves_sorted(p, need, sizes, self.max_nodes)
         return gains, depths, unknown
 
     def _finish(self, plan: Plan, unknown: np.ndarray,
