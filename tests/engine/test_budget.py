@@ -494,3 +494,33 @@ def test_batched_curves_equal_the_per_request_curves(sizes, width, seed):
         want_gains, want_depths = _curve(p[at], need[at], width)
         assert gains[i] == pytest.approx(want_gains, abs=1e-12)
         assert depths[i].tolist() == want_depths.tolist()
+
+
+def test_a_stale_unsure_profile_is_blended_with_the_recent_trees():
+    """A request whose last tree was unsure is planned from a blend: its own estimates weigh
+    PROFILE_WEIGHT right after its tree and half as much after each plan since; the rest is
+    the average, rank by rank, of the class's recent fresh trees (re-estimated with the
+    current calibration). Lookup nodes found this round keep their own estimates."""
+    from vllm_dartree.engine.controller import PROFILE_WEIGHT
+    from vllm_dartree.tree.lookup import LOOKUP
+    budget = TreeBudget(max_nodes=4, max_depth=4)
+    sure, unsure = np.array([-0.05, -0.3, -0.6, -0.9]), np.array([-4.5, -5.5, -6.5, -7.5])
+    depths = np.arange(1, 5)
+    plan = budget.plan(["a", "b"], [True, True], 2)
+    budget.cut("a", True, sure, depths, plan, 0)          # the pool: one sure tree ...
+    budget.cut("b", True, unsure, depths, plan, 1)        # ... and b's own, unsure one
+    pool = np.mean([np.sort(budget.predict(None, True, s, depths))[::-1]
+                    for s in (sure, unsure)], axis=0)
+    own = np.sort(budget.predict("b", True, unsure, depths))[::-1]
+    for age in range(3):
+        gains, _, _ = budget._curves(["b"], [True])
+        weight = PROFILE_WEIGHT * 0.5 ** age
+        assert gains[0, 1:] == pytest.approx(np.cumsum(weight * own + (1 - weight) * pool))
+    assert gains[0, 4] > np.sum(own) + 0.1                 # the unsure tree alone said less
+    # lookup nodes of this round: their estimates as they are
+    found = (np.array([-0.2, -0.4]), np.array([1, 2]))
+    gains, _, _ = budget._curves(["b"], [True], [found])
+    lookup_p = budget.predict("b", True, *found, np.array([LOOKUP, LOOKUP]))
+    weight = PROFILE_WEIGHT * 0.5 ** 3
+    merged = np.sort(np.concatenate([weight * own + (1 - weight) * pool, lookup_p]))[::-1]
+    assert gains[0, 1:] == pytest.approx(np.cumsum(merged[:4]))
