@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from vllm_dartree.drafter import ContextCache
-from vllm_dartree.drafter.layers import linear, pack_for_cpu
-from vllm_dartree.engine.drafters import _pack_linears
+from vllm_dartree.drafter.layers import linear
+from vllm_dartree.engine.drafters import _pack_linears, pack_for_cpu
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
@@ -48,8 +48,8 @@ def test_autograd_and_new_tensors_take_torch_path():
     linear(x, weight).sum().backward()
     torch.testing.assert_close(x.grad, weight.detach().sum(0).expand(3, -1))
     assert weight.grad is not None
-    assert getattr(weight.detach().clone(), "_dt_onednn", None) is None
-    assert getattr(weight[:, :8], "_dt_onednn", None) is None
+    assert getattr(weight.detach().clone(), "_dt_packed", None) is None
+    assert getattr(weight[:, :8], "_dt_packed", None) is None
 
 
 def test_packed_drafter_drafts_what_the_unpacked_one_does(tiny_target, drafter_folders):

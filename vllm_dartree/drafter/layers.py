@@ -9,69 +9,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["RMSNorm", "rope_cos_sin", "apply_rope", "DraftLayer", "linear", "pack_for_cpu"]
+__all__ = ["RMSNorm", "rope_cos_sin", "apply_rope", "DraftLayer", "linear"]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight[out, in]^T, fast for the few rows a draft block or tree depth has.
 
-    A weight packed by `pack_for_cpu` runs through its oneDNN handle (CPU serving). NOTE:
-    otherwise on CPU (MKL, this project's machines), `x @ W.T` with 2..128 rows runs 1.3-3x
-    slower than `(W @ x.T).T` (median, fp32, 2 threads: 4 x 1024 -> 3072: 2.33 vs 0.85 ms;
-    16 x 2560 -> 9728: 59 vs 18 ms; 16 x 2560 -> 151936: 534 vs 270 ms); one row is faster
-    the usual way. Same products, another summation order. CUDA uses F.linear.
+    A weight may carry `_dt_packed`, a callable an engine attached to it (contiguous rows
+    [M, in] -> [M, out]; on CPU vLLM's oneDNN matmul, `engine.drafters.pack_for_cpu`): it is
+    used unless autograd needs the product. NOTE: otherwise on CPU (MKL, this project's
+    machines), `x @ W.T` with 2..128 rows runs 1.3-3x slower than `(W @ x.T).T` (median, fp32,
+    2 threads: 4 x 1024 -> 3072: 2.33 vs 0.85 ms; 16 x 2560 -> 9728: 59 vs 18 ms; 16 x 2560
+    -> 151936: 534 vs 270 ms); one row is faster the usual way. Same products, another
+    summation order. CUDA uses F.linear.
     """
     rows = x.reshape(-1, x.shape[-1]).to(weight.dtype)
-    handle = getattr(weight, "_dt_onednn", None)
-    if handle is not None and rows.shape[0] and not (rows.requires_grad
+    packed = getattr(weight, "_dt_packed", None)
+    if packed is not None and rows.shape[0] and not (rows.requires_grad
                                                     and torch.is_grad_enabled()):
-        out = _onednn_mm(handle, rows.contiguous())
+        out = packed(rows.contiguous())
     elif rows.is_cuda or rows.shape[0] == 1:
         out = nn.functional.linear(rows, weight)
     else:
         out = (weight @ rows.T).T
     return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
-# the largest weight `pack_for_cpu` packs (its packed copy is extra memory): 64M elements, a
-# SmolLM2 lm-head (28M) but not a 150k-token one at H = 2560 (389M)
-PACK_MAX_ELEMENTS = 64 * 2**20
-
-
-def pack_for_cpu(weights) -> int:
-    """CPU serving: give each 2-D fp32 / bf16 weight a oneDNN matmul handle (vLLM's
-    `create_onednn_mm`, the path vLLM's own CPU linear layers take), which `linear` then uses.
-    For the few rows a draft has, torch's matmul reaches a fraction of what the packed
-    weights do: one core of an AMD EPYC (AVX-512), fp32, 12 x 576 -> 8192 (the shipped
-    SmolLM2 drafter's lm-head for 4 requests x 3 depths) 4.6-6.5 ms against 1.5 ms;
-    12 x 576 -> 1536 (its MLP) 0.35-0.65 against 0.20 ms. Call it once the weights are
-    final (a packed copy does not follow later in-place changes; a tensor made by `.to()`
-    or a slice is a new object and takes torch's path). Weights under autograd always take
-    torch's path. Returns how many weights were packed: 0 without vLLM's CPU ops."""
-    try:
-        from vllm import _custom_ops as ops
-    except Exception:   # noqa: BLE001 - no vLLM, or no CPU build of its ops
-        return 0
-    if not getattr(ops, "_supports_onednn", False):
-        return 0
-    packed = 0
-    for w in weights:
-        if (w is None or w.device.type != "cpu" or w.dim() != 2 or w.numel() > PACK_MAX_ELEMENTS
-                or w.dtype not in (torch.float32, torch.bfloat16)
-                or getattr(w, "_dt_onednn", None) is not None):
-            continue
-        try:
-            w._dt_onednn = ops.create_onednn_mm(w.detach().t(), 32)
-        except RuntimeError:   # this CPU's oneDNN refuses the shape or dtype: torch's path
-            continue
-        packed += 1
-    return packed
-
-
-def _onednn_mm(handle, rows: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(rows.shape[0], handle.n, dtype=rows.dtype)
-    torch.ops._C.onednn_mm(out, rows, None, handle.handler_tensor)
-    return out
 
 
 class RMSNorm(nn.Module):

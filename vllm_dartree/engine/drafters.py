@@ -24,7 +24,6 @@ import torch
 
 from vllm_dartree.config import DARTreeConfig
 from vllm_dartree.drafter import ContextCache, DominoGRUHead, Drafter
-from vllm_dartree.drafter.layers import pack_for_cpu
 from vllm_dartree.tree import TreeBatch
 from vllm_dartree.tree.graphs import DEFAULT_BUCKETS, GraphedTreeBuilder
 
@@ -104,9 +103,57 @@ class CheckpointTreeDrafter:
 INPUT_TABLE_MAX_ELEMENTS = 16 * 2**20
 
 
+# the largest weight `pack_for_cpu` packs (its packed copy is extra memory): 64M elements, a
+# SmolLM2 lm-head (28M) but not a 150k-token one at H = 2560 (389M)
+PACK_MAX_ELEMENTS = 64 * 2**20
+
+
+def pack_for_cpu(weights) -> int:
+    """CPU serving: give each 2-D fp32 / bf16 weight a oneDNN matmul handle (vLLM's
+    `create_onednn_mm`, the path vLLM's own CPU linear layers take) as its `_dt_packed`,
+    which `drafter.layers.linear` then uses. For the few rows a draft has, torch's matmul
+    reaches a fraction of what the packed weights do: one core of an AMD EPYC (AVX-512),
+    fp32, 12 x 576 -> 8192 (the shipped SmolLM2 drafter's lm-head for 4 requests x 3 depths)
+    4.6-6.5 ms against 1.5 ms; 12 x 576 -> 1536 (its MLP) 0.35-0.65 against 0.20 ms. Call it
+    once the weights are final (a packed copy does not follow later in-place changes; a
+    tensor made by `.to()` or a slice is a new object and takes torch's path). Returns how
+    many weights were packed: 0 without vLLM's CPU ops."""
+    try:
+        from vllm import _custom_ops as ops
+    except Exception:   # noqa: BLE001 - no vLLM, or no CPU build of its ops
+        return 0
+    if not getattr(ops, "_supports_onednn", False):
+        return 0
+    packed = 0
+    for w in weights:
+        if (w is None or w.device.type != "cpu" or w.dim() != 2 or w.numel() > PACK_MAX_ELEMENTS
+                or w.dtype not in (torch.float32, torch.bfloat16)
+                or getattr(w, "_dt_packed", None) is not None):
+            continue
+        try:
+            handle = ops.create_onednn_mm(w.detach().t(), 32)
+        except RuntimeError:   # this CPU's oneDNN refuses the shape or dtype: torch's path
+            continue
+        w._dt_packed = _OneDNNMatmul(handle)
+        packed += 1
+    return packed
+
+
+class _OneDNNMatmul:
+    """rows [M, in] (contiguous, the weight's dtype) -> rows @ W^T through a oneDNN handle."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], self.handle.n, dtype=rows.dtype)
+        torch.ops._C.onednn_mm(out, rows, None, self.handle.handler_tensor)
+        return out
+
+
 def _pack_linears(drafter: Drafter) -> int:
     """On CPU, the drafter's matrices (backbone, head, output rows) go through vLLM's oneDNN
-    matmul (`drafter.layers.pack_for_cpu`): the SmolLM2 drafter's pass at 4 requests x 3
+    matmul (`pack_for_cpu`): the SmolLM2 drafter's pass at 4 requests x 3
     depths spent 10 of its 14 ms in torch's matmul for few rows. Returns how many."""
     backbone = drafter.backbone
     if backbone.fc.weight.device.type != "cpu":
