@@ -524,3 +524,59 @@ def test_a_stale_unsure_profile_is_blended_with_the_recent_trees():
     weight = PROFILE_WEIGHT * 0.5 ** 3
     merged = np.sort(np.concatenate([weight * own + (1 - weight) * pool, lookup_p]))[::-1]
     assert gains[0, 1:] == pytest.approx(np.cumsum(merged[:4]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**31), b=st.integers(1, 8), others=st.integers(0, 6))
+def test_hinged_plan_equals_brute_force_for_one_request(seed, b, others):
+    """With a knee in the step cost (rows past K cost h more each), the plan of one request
+    (beside `others` decoding rows) is still the exact optimum."""
+    gen = np.random.default_rng(seed)
+    gains, depths = _curves(gen, 1, b)
+    costs = BatchCosts(step=gen.uniform(0.01, 0.1), row=gen.uniform(0.0, 0.002),
+                       tree_step=gen.uniform(0, 0.01), per_request=gen.uniform(0, 0.01),
+                       per_depth=gen.uniform(0, 0.005), draft=gen.uniform(0, 0.02),
+                       node=gen.uniform(0, 0.001), excess=gen.uniform(0.0, 0.02),
+                       knee=float(gen.integers(1, 12)), other_rows=others)
+    best = max(throughput(gains, depths, np.array([n]), costs) for n in range(b + 1))
+    plan = plan_budgets(gains, depths, costs)
+    assert plan.rate == pytest.approx(best, rel=1e-9)
+    assert throughput(gains, depths, plan.nodes, costs) == pytest.approx(best, rel=1e-9)
+
+
+def test_cut_with_a_knee():
+    gains = np.array([[0.0, 0.9, 1.5, 1.9, 2.1, 2.25]])
+    # rate 10 tokens/s: a node stays if its marginal beats 0.1 (its row), and 0.2 more past
+    # the 2 allowed rows
+    assert cut(gains, 0.01, 10.0, np.array([5])).tolist() == [5]
+    assert cut(gains, 0.01, 10.0, np.array([5]), excess=0.02, allowance=2).tolist() == [3]
+
+
+def test_step_costs_find_the_knee():
+    """Steps whose first 8 rows ride along (a memory-bound step) and whose later rows cost
+    2 ms each: the hinged fit with K = 8 wins and prices a small tree near nothing; on
+    linear data the linear model's predictions hold."""
+    gen = np.random.default_rng(3)
+    costs = StepCosts(plain_step=0.04)
+    for _ in range(400):
+        nodes = int(gen.integers(0, 30))
+        rows = 1 + nodes
+        costs.observe_target(rows, int(nodes > 0), 0.030 + 0.002 * max(0, rows - 8)
+                             + 0.001 * (nodes > 0) + gen.normal(0, 2e-4), nodes)
+    assert costs.knee == 8
+    h, knee = costs.hinge
+    assert h == pytest.approx(0.002, abs=3e-4) and knee == 8
+    step, row, tree, node = costs.target_theta
+    small = step + tree + (row + node) * 5        # a 4-node tree step, rows 5 < 8
+    assert small == pytest.approx(0.031, abs=1.5e-3)
+    linear = StepCosts(plain_step=0.04)
+    for _ in range(400):
+        nodes = int(gen.integers(0, 30))
+        linear.observe_target(1 + nodes, int(nodes > 0), 0.030 + 0.0015 * nodes
+                              + gen.normal(0, 2e-4), nodes)
+    step, row, tree, node = linear.target_theta
+    h, knee = linear.hinge
+    for nodes in (0, 4, 25):
+        rows = 1 + nodes
+        got = step + row * rows + node * nodes + tree * (nodes > 0) + h * max(0, rows - knee)
+        assert got == pytest.approx(0.030 + 0.0015 * nodes, abs=1.5e-3)

@@ -24,7 +24,7 @@ nodes are still worth their rows at the planned rate (the draft itself is paid b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -41,6 +41,16 @@ class BatchCosts:
     per_depth: float     # e: one drafted request, one depth
     draft: float = 0.0   # c: a step that runs the drafter (depth > 0)
     node: float = 0.0    # g: one verified tree node on top of its row (tree attention, walk)
+    excess: float = 0.0  # h: one verified row past the knee (`engine.costs`: the hinge)
+    knee: float = float("inf")   # K: rows a step verifies before h applies
+    other_rows: int = 0  # rows of requests outside the plan (they count toward the knee)
+
+    def allowance(self, requests: int) -> float:
+        """Each of `requests` planned requests' share of the rows left before the knee (the
+        plan prices the hinge per request: exact for one request, a fair split for more)."""
+        if not np.isfinite(self.knee) or requests == 0:
+            return float("inf")
+        return max(0.0, self.knee - requests - self.other_rows) / requests
 
     @property
     def node_row(self) -> float:
@@ -63,6 +73,8 @@ def throughput(gains: np.ndarray, depths: np.ndarray, nodes: np.ndarray,
     idx = np.arange(r)
     tokens = r + gains[idx, nodes].sum()
     seconds = costs.step + costs.row * r + costs.node_row * nodes.sum()
+    if costs.excess:
+        seconds += costs.excess * max(0.0, r + costs.other_rows + nodes.sum() - costs.knee)
     drafted = nodes > 0
     if drafted.any():
         if depth is None:
@@ -81,6 +93,8 @@ def _best_for_depth(gains, depths, depth: int, costs: BatchCosts, lam: float) ->
     per_request = costs.per_request + costs.per_depth * depth if depth > 0 else 0.0
     fixed = costs.tree_step + (costs.draft if depth > 0 else 0.0)
     cost = costs.node_row * n + np.where(n > 0, per_request, 0.0)
+    if costs.excess:
+        cost = cost + costs.excess * np.maximum(0.0, n - costs.allowance(gains.shape[0]))
     value = gains - lam * cost[None, :]
     value = np.where(depths <= depth, value, -np.inf)
     value[:, 0] = 0.0
@@ -108,8 +122,7 @@ def plan_budgets(gains: np.ndarray, depths: np.ndarray, costs: BatchCosts,
     # Most steps are plain: when no allocation earns its cost even with drafting free and
     # every depth allowed (a relaxation of every cap below), every cap's first Dinkelbach
     # step returns the plain step, so one check decides (exactly the loop's answer).
-    free_draft = BatchCosts(step=costs.step, row=costs.row, tree_step=costs.tree_step,
-                            per_request=0.0, per_depth=0.0, draft=0.0, node=costs.node)
+    free_draft = replace(costs, per_request=0.0, per_depth=0.0, draft=0.0)
     if not _best_for_depth(gains, depths, int(depths.max()), free_draft, best_rate).any():
         return Plan(plain, 0, best_rate)
     # cap 0: prefixes that need no drafter depth (lookup nodes alone, no drafter pass)
@@ -130,11 +143,14 @@ def plan_budgets(gains: np.ndarray, depths: np.ndarray, costs: BatchCosts,
     return Plan(best_nodes.astype(np.int64), depth, best_rate)
 
 
-def cut(gains: np.ndarray, row_cost: float, rate: float, limit: np.ndarray) -> np.ndarray:
-    """Per request, the prefix length n <= limit_i maximising gain_i(n) - rate * row_cost * n
-    (the drafting is paid; a node stays if it earns its row at the planned rate)."""
+def cut(gains: np.ndarray, row_cost: float, rate: float, limit: np.ndarray,
+        excess: float = 0.0, allowance: float = float("inf")) -> np.ndarray:
+    """Per request, the prefix length n <= limit_i maximising gain_i(n) - rate * cost(n),
+    cost(n) = row_cost * n + excess * max(0, n - allowance) (the drafting is paid; a node
+    stays if it earns its row at the planned rate)."""
     b = gains.shape[1] - 1
     n = np.arange(b + 1)
-    value = gains - rate * row_cost * n[None, :]
+    cost = row_cost * n + (excess * np.maximum(0.0, n - allowance) if excess else 0.0)
+    value = gains - rate * cost[None, :]
     value = np.where(n[None, :] <= limit[:, None], value, -np.inf)
     return value.argmax(axis=1).astype(np.int64)

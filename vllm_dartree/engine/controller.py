@@ -195,11 +195,13 @@ class TreeBudget:
         self._plain_rate = 0.0     # the last plan's tokens/s for a plain step (for the trace)
 
     # -- planning -------------------------------------------------------------------------
-    def batch_costs(self) -> BatchCosts:
+    def batch_costs(self, other_rows: int = 0) -> BatchCosts:
         a, b, f, g = self.costs.target_theta
         c, d, e = self.costs.draft_theta
-        return BatchCosts(step=a, row=b, tree_step=f, per_request=d, per_depth=e, draft=c,
-                          node=g)
+        h, knee = self.costs.hinge
+        return BatchCosts(step=a + b * other_rows, row=b, tree_step=f, per_request=d,
+                          per_depth=e, draft=c, node=g, excess=h, knee=knee,
+                          other_rows=other_rows)
 
     def shrink(self, greedy: bool, batch: int | None = None) -> float:
         """Observed / predicted accepted tokens of the recently verified trees of a
@@ -310,12 +312,9 @@ class TreeBudget:
     def _plan(self, rids, greedy, num_running, lookup=None,
               factors: np.ndarray | None = None) -> tuple[Plan, np.ndarray]:
         gains, depths, unknown = self._curves(rids, greedy, lookup, factors)
-        costs = self.batch_costs()
         # requests that decode without a drafting candidate still cost their row
-        others = max(num_running - len(rids), 0)
-        costs = BatchCosts(step=costs.step + costs.row * others, row=costs.row,
-                           tree_step=costs.tree_step, per_request=costs.per_request,
-                           per_depth=costs.per_depth, draft=costs.draft, node=costs.node)
+        costs = self.batch_costs(max(num_running - len(rids), 0))
+        self._costs = costs                  # the plan's, for the cut of its trees
         plan = plan_budgets(gains, depths, costs)
         if self.trace is not None:   # the same cost model's plain step, for the trace alone
             self._plain_rate = throughput(gains, depths, np.zeros(len(rids), dtype=np.int64),
@@ -465,8 +464,9 @@ class TreeBudget:
             return min(len(scores), int(plan.nodes[i]))
         factor = 1.0 if plan.factor is None else float(plan.factor[i])
         gains, _ = self._gains(rid, greedy, scores, depths, sources, factor)
-        return int(cut(gains[None], self.batch_costs().node_row, plan.rate,
-                       np.array([len(scores)]))[0])
+        costs = getattr(self, "_costs", None) or self.batch_costs()
+        return int(cut(gains[None], costs.node_row, plan.rate, np.array([len(scores)]),
+                       costs.excess, costs.allowance(len(plan.nodes)))[0])
 
     # -- observations ---------------------------------------------------------------------
     def observe_walk(self, rid, greedy: bool, scores: np.ndarray, depths: np.ndarray,
@@ -569,7 +569,9 @@ class TreeBudget:
         out = {**self.stats, "live_requests": self.live_requests,
                "shrink_greedy": self.shrink(True), "shrink_sampled": self.shrink(False),
                "cost_step_s": a, "cost_row_s": b, "cost_tree_step_s": f, "cost_node_s": g,
-               "cost_draft_s": c, "cost_draft_request_s": d, "cost_draft_depth_s": e}
+               "cost_draft_s": c, "cost_draft_request_s": d, "cost_draft_depth_s": e,
+               "cost_excess_row_s": self.costs.hinge[0],
+               "cost_knee_rows": -1 if self.costs.knee is None else self.costs.knee}
         # plain Python numbers: the RPC's serialiser takes no numpy scalars
         return {k: v if isinstance(v, int) else float(v) for k, v in out.items()}
 

@@ -90,24 +90,65 @@ class DecayedLeastSquares:
         return theta
 
 
+# Where a step's rows start to cost (`StepCosts`): candidate knees K, in rows. None: no knee.
+KNEES = (None, 4, 8, 16, 32, 64)
+ERROR_DECAY = 0.98
+
+
 class StepCosts:
-    """The two fits of a worker: a step without drafting, and the drafter's round."""
+    """The fits of a worker: a step without drafting, and the drafter's round.
+
+    A step's rows are not priced alike at every batch: at one request a CPU step reads every
+    weight once and the first few rows ride along nearly free (memory-bound), while past some
+    rows each one costs its products (compute-bound). A linear fit over trees of 3 to 28 nodes
+    charged small trees the large ones' slope (one request, an EPYC: a node at 0.8-0.9 ms
+    where a 5-row tree step cost what a plain one did). So the target fit has a hinge, h per
+    row past K rows (x gains max(0, rows - K)); K is not known per machine, so one fit per
+    candidate in `KNEES` (None: no hinge, the linear model) runs side by side, and the one
+    whose decayed squared error of prediction (each observation predicted before it is
+    added) is smallest is used."""
 
     def __init__(self, plain_step: float = 0.05):
         # prior: a plain one-request step of `plain_step` s, a row 1/20 of it (a tree node
-        # as much as a decode row until measured otherwise), a draft 1/2
-        self.target_fit = DecayedLeastSquares(np.array([plain_step, plain_step / 20,
-                                                        plain_step / 20, 0.0]))
+        # as much as a decode row until measured otherwise), no hinge, a draft 1/2
+        base = [plain_step, plain_step / 20, plain_step / 20, 0.0]
+        self._fits = {k: DecayedLeastSquares(np.array(base if k is None else base + [0.0]))
+                      for k in KNEES}
+        self._errors = {k: 0.0 for k in KNEES}
         self.draft_fit = DecayedLeastSquares(np.array([plain_step / 4, plain_step / 8,
                                                        plain_step / 64]))
         self._target_theta: np.ndarray | None = None
         self._draft_theta: np.ndarray | None = None
+        self._knee: tuple[int | None] | None = None    # (knee,) once chosen
+
+    @staticmethod
+    def _features(knee: int | None, rows: int, tree: int, nodes: int) -> list[float]:
+        x = [1.0, rows - nodes, tree, nodes]
+        return x if knee is None else x + [max(0.0, rows - knee)]
+
+    @property
+    def target_fit(self) -> DecayedLeastSquares:
+        """The fit in use (the knee with the smallest recent error of prediction)."""
+        return self._fits[self.knee]
+
+    @property
+    def knee(self) -> int | None:
+        """The knee in use (None: the linear model; also before any error is measured)."""
+        if self._knee is None:
+            self._knee = (min(KNEES, key=lambda k: (self._errors[k], k is not None, k or 0))
+                          if any(self._errors.values()) else None,)
+        return self._knee[0]
 
     def observe_target(self, rows: int, tree: int, seconds: float, nodes: int = 0) -> None:
         """A step of `rows` verified tokens, `nodes` of them tree nodes (rows - nodes
         decode rows), `tree` = 1 when it verified trees."""
-        self.target_fit.add([1.0, rows - nodes, tree, nodes], seconds)
-        self._target_theta = None
+        for k, fit in self._fits.items():
+            x = self._features(k, rows, tree, nodes)
+            if fit.count >= 10:
+                error = float(np.dot(x, fit.theta())) - seconds
+                self._errors[k] = ERROR_DECAY * self._errors[k] + error * error
+            fit.add(x, seconds)
+        self._target_theta, self._knee = None, None
 
     def observe_draft(self, requests: int, depths: int, seconds: float) -> None:
         self.draft_fit.add([1.0, requests, requests * depths], seconds)
@@ -118,9 +159,18 @@ class StepCosts:
         """(seconds per step, per verified row, per step that verifies trees, per tree node
         on top of its row: negative where a tree node costs less than a decode row)."""
         if self._target_theta is None:
-            a, b, f, node = self.target_fit.theta()
+            theta = self.target_fit.theta()
+            a, b, f, node = theta[:4]
             self._target_theta = np.array([a, b, f, node - b])
         return self._target_theta
+
+    @property
+    def hinge(self) -> tuple[float, float]:
+        """(seconds per row past the knee, the knee in rows): (0, inf) without one."""
+        knee = self.knee
+        if knee is None:
+            return 0.0, float("inf")
+        return float(self.target_fit.theta()[4]), float(knee)
 
     @property
     def draft_theta(self) -> np.ndarray:
