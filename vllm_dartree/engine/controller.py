@@ -182,6 +182,7 @@ class TreeBudget:
         # POOL_TREES fresh trees (`_blend`); rid -> plans made since its last fresh tree
         self._recent: dict[bool, collections.deque] = {}
         self._age: dict[Hashable, int] = {}
+        self._costs: BatchCosts | None = None   # the last plan's, for the cut of its trees
         self._plain_run = 0
         self._explore_turn = 0
         self.stats = {"steps": 0, "plain_steps": 0, "tree_steps": 0, "explore_steps": 0,
@@ -314,7 +315,7 @@ class TreeBudget:
         gains, depths, unknown = self._curves(rids, greedy, lookup, factors)
         # requests that decode without a drafting candidate still cost their row
         costs = self.batch_costs(max(num_running - len(rids), 0))
-        self._costs = costs                  # the plan's, for the cut of its trees
+        self._costs = costs
         plan = plan_budgets(gains, depths, costs)
         if self.trace is not None:   # the same cost model's plain step, for the trace alone
             self._plain_rate = throughput(gains, depths, np.zeros(len(rids), dtype=np.int64),
@@ -464,7 +465,7 @@ class TreeBudget:
             return min(len(scores), int(plan.nodes[i]))
         factor = 1.0 if plan.factor is None else float(plan.factor[i])
         gains, _ = self._gains(rid, greedy, scores, depths, sources, factor)
-        costs = getattr(self, "_costs", None) or self.batch_costs()
+        costs = self._costs or self.batch_costs()
         return int(cut(gains[None], costs.node_row, plan.rate, np.array([len(scores)]),
                        costs.excess, costs.allowance(len(plan.nodes)))[0])
 

@@ -119,7 +119,7 @@ class StepCosts:
                                                        plain_step / 64]))
         self._target_theta: np.ndarray | None = None
         self._draft_theta: np.ndarray | None = None
-        self._knee: tuple[int | None] | None = None    # (knee,) once chosen
+        self.knee: int | None = None   # the knee in use (None: the linear model)
 
     @staticmethod
     def _features(knee: int | None, rows: int, tree: int, nodes: int) -> list[float]:
@@ -131,14 +131,6 @@ class StepCosts:
         """The fit in use (the knee with the smallest recent error of prediction)."""
         return self._fits[self.knee]
 
-    @property
-    def knee(self) -> int | None:
-        """The knee in use (None: the linear model; also before any error is measured)."""
-        if self._knee is None:
-            self._knee = (min(KNEES, key=lambda k: (self._errors[k], k is not None, k or 0))
-                          if any(self._errors.values()) else None,)
-        return self._knee[0]
-
     def observe_target(self, rows: int, tree: int, seconds: float, nodes: int = 0) -> None:
         """A step of `rows` verified tokens, `nodes` of them tree nodes (rows - nodes
         decode rows), `tree` = 1 when it verified trees."""
@@ -148,7 +140,9 @@ class StepCosts:
                 error = float(np.dot(x, fit.theta())) - seconds
                 self._errors[k] = ERROR_DECAY * self._errors[k] + error * error
             fit.add(x, seconds)
-        self._target_theta, self._knee = None, None
+        if any(self._errors.values()):   # the smallest error; ties to the simpler model
+            self.knee = min(KNEES, key=lambda k: (self._errors[k], k is not None, k or 0))
+        self._target_theta = None
 
     def observe_draft(self, requests: int, depths: int, seconds: float) -> None:
         self.draft_fit.add([1.0, requests, requests * depths], seconds)

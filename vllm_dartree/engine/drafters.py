@@ -15,6 +15,7 @@ request's next root, which the runner checks before every draft.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from collections.abc import Hashable, Sequence
@@ -134,21 +135,9 @@ def pack_for_cpu(weights) -> int:
             handle = ops.create_onednn_mm(w.detach().t(), 32)
         except RuntimeError:   # this CPU's oneDNN refuses the shape or dtype: torch's path
             continue
-        w._dt_packed = _OneDNNMatmul(handle)
+        w._dt_packed = functools.partial(ops.onednn_mm, handle, bias=None)
         packed += 1
     return packed
-
-
-class _OneDNNMatmul:
-    """rows [M, in] (contiguous, the weight's dtype) -> rows @ W^T through a oneDNN handle."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(rows.shape[0], self.handle.n, dtype=rows.dtype)
-        torch.ops._C.onednn_mm(out, rows, None, self.handle.handler_tensor)
-        return out
 
 
 def _pack_linears(drafter: Drafter) -> int:
