@@ -316,6 +316,30 @@ def test_lookup_nodes_alone_are_verified_without_a_drafter_pass():
     assert s["lookup_offered"] == 2 and s["lookup_offered_planned"] == 2
 
 
+def test_a_lookup_only_first_tree_leaves_the_pool_profile():
+    """A new request whose first tree holds lookup nodes alone (a depth-0 plan) still has the
+    pool's drafter nodes to predict from when its next round finds no lookup match: a good
+    drafter is planned, not a plain step."""
+    from vllm_dartree.tree.lookup import DRAFTER, LOOKUP
+    budget = TreeBudget(max_nodes=8, max_depth=6)
+    budget.costs = StepCosts(plain_step=0.05)
+    d_scores, d_depths = np.log(0.9) * np.arange(1, 7), np.arange(1, 7)
+    l_scores, l_depths = np.log(0.95) * np.arange(1, 5), np.arange(1, 5)
+    for _ in range(40):        # both sources accepted: the drafter's and lookup's
+        budget.observe_walk("a", True, d_scores, d_depths, range(6))
+        budget.observe_walk("a", True, l_scores, l_depths, range(4), np.full(4, LOOKUP))
+    plan = budget.plan(["a"], [True], 1)
+    assert plan.nodes[0] > 0
+    budget.cut("a", True, d_scores, d_depths, plan, 0, np.full(6, DRAFTER))
+    # request b: its first round is lookup-only
+    plan = budget.plan(["b"], [True], 1, [(l_scores, l_depths)])
+    budget.cut("b", True, l_scores, l_depths, plan, 0, np.full(4, LOOKUP))
+    assert "b" not in budget._profiles
+    assert (budget._pool[True][2] == DRAFTER).all()
+    nxt = budget.plan(["b"], [True], 1, [None])
+    assert nxt.nodes[0] > 0 and nxt.depth > 0
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), r=st.integers(1, 6))
 def test_batched_curves_equal_each_request_predicted_alone(seed, r):
