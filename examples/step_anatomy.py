@@ -138,10 +138,12 @@ def main() -> None:
     for it in record:
         if 0 < it.get("rows", 0) <= args.max_rows and "exec" in it:
             steps[(it.get("tree", False), it["rows"])].append(it)
-    prefill = sum(it["core"] for it in record if it.get("rows", 0) > args.max_rows)
+    prefills = [it for it in record if it.get("rows", 0) > args.max_rows]
     print(f"\n{args.method}, concurrency {args.concurrency}, {args.repeats} round(s): "
-          f"{wall:.2f} s wall, {prefill:.2f} s in iterations of more than {args.max_rows} "
-          "rows (prefills); mean ms per decode iteration:")
+          f"{wall:.2f} s wall, {sum(it['core'] for it in prefills):.2f} s in "
+          f"{len(prefills)} iterations of more than {args.max_rows} rows (prefills: "
+          + ", ".join(f"{s} {sum(it.get(s, 0.0) for it in prefills):.2f}" for s in STAGES[1:])
+          + " s); mean ms per decode iteration:")
     print(f"{'kind':6s} {'rows':>4s} {'steps':>5s} " + " ".join(f"{s:>7s}" for s in STAGES))
     for (tree, rows), its in sorted(steps.items()):
         if len(its) < 3:
