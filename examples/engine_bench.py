@@ -81,6 +81,8 @@ def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
         kw["speculative_config"] = {**tree, "lookup_max_match": 5}
     elif method == "dartree-bf16-drafter":   # bfloat16 where the CPU has AMX
         kw["speculative_config"] = {**tree, "drafter_dtype": "auto"}
+    elif method == "dartree-bf16":            # bfloat16 on any CPU
+        kw["speculative_config"] = {**tree, "drafter_dtype": "bfloat16"}
     elif method == "plain-sync":
         kw["async_scheduling"] = False
     elif method == "dartree-alt":
