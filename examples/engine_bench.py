@@ -22,7 +22,9 @@ speculation. `fixed` is DARTree verifying `budget` nodes every round (`adaptive:
 `dartree-match5` trusts a lookup continuation by its n-gram order alone
 (`lookup_max_match: 5`, as before the match's full extent was measured).
 `dartree-bf16-drafter` runs the drafter in bfloat16 on a CPU with AMX (`drafter_dtype:
-auto`; the default runs it in the target's dtype).
+auto`; the default runs it in the target's dtype), `dartree-bf16` on any CPU.
+`dartree-nocompete` plans drafter nodes beside lookup branches as if they did not compete
+for the root (`VLLM_DARTREE_COMPETE=0`, how the budget planned before).
 `dartree-conf` is DARTree (the defaults) planning with the target's confidence too
 (`VLLM_DARTREE_CONFIDENCE=1`, an opt-in experiment).
 `dartree-alt` is DARTree (the defaults) with the drafter of `--alt-drafter`, to compare two
@@ -51,7 +53,7 @@ KV_CACHE_BYTES = 512 << 20
 METHODS = ("plain", "dartree", "ddtree", "chain", "oracle")
 EXTRA_METHODS = ("plugin-plain", "ngram", "fixed", "oracle-adaptive", "dartree-nolookup",
                  "dartree-alt", "plain-sync", "dartree-conf", "dartree-match5",
-                 "dartree-bf16-drafter")
+                 "dartree-bf16-drafter", "dartree-bf16", "dartree-nocompete")
 
 
 def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
@@ -89,7 +91,7 @@ def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
         if not args.alt_drafter:
             raise SystemExit("dartree-alt needs --alt-drafter DIR")
         kw["speculative_config"] = {**tree, "model": args.alt_drafter}
-    elif method in ("plugin-plain", "dartree-conf"):     # the switch is in the env
+    elif method in ("plugin-plain", "dartree-conf", "dartree-nocompete"):   # switch in env
         kw["speculative_config"] = tree
     elif method == "fixed":
         kw["speculative_config"] = {**tree, "adaptive": False}
@@ -391,7 +393,8 @@ def main() -> None:
         for m in methods:
             if m != "plain":
                 env = {**common, **({"VLLM_DARTREE_PLAIN": "1"} if m == "plugin-plain" else {}),
-                       **({"VLLM_DARTREE_CONFIDENCE": "1"} if m == "dartree-conf" else {})}
+                       **({"VLLM_DARTREE_CONFIDENCE": "1"} if m == "dartree-conf" else {}),
+                       **({"VLLM_DARTREE_COMPETE": "0"} if m == "dartree-nocompete" else {})}
                 sessions[m] = EngineSession(m, job(m), workdir, env)
         results = run_interleaved(sessions, args.concurrency, args.repeats)
     finally:

@@ -340,13 +340,52 @@ def test_a_lookup_only_first_tree_leaves_the_pool_profile():
     assert nxt.nodes[0] > 0 and nxt.depth > 0
 
 
+def test_drafter_nodes_compete_with_a_confident_lookup_match(monkeypatch):
+    """One child of the root is accepted: beside lookup branches whose first nodes have p,
+    the drafter's nodes are planned at (1 - p) of their estimate. With a lookup match that is
+    nearly sure and a drafter pass that costs about a tenth of a step, the plan verifies the
+    lookup nodes alone (depth 0, no drafter pass); planned as independent
+    (`VLLM_DARTREE_COMPETE=0`), the drafter's nodes looked worth their pass."""
+    from vllm_dartree.engine.controller import _compete
+    from vllm_dartree.tree.lookup import DRAFTER, LOOKUP
+    # the helper against values computed by hand: request 0 has two lookup firsts (0.5 and
+    # 0.7: capped at 1, its drafter nodes vanish), request 1 one (0.25), request 2 none
+    p = np.array([0.5, 0.7, 0.4, 0.3, 0.8, 0.25, 0.6, 0.9, 0.5])
+    owner = np.array([0, 0, 0, 0, 1, 1, 1, 2, 2])
+    sources = np.array([LOOKUP, LOOKUP, LOOKUP, DRAFTER, DRAFTER, LOOKUP, DRAFTER, DRAFTER,
+                        DRAFTER])
+    depths = np.array([1, 1, 2, 1, 1, 1, 2, 1, 2])
+    want = np.array([0.5, 0.7, 0.4, 0.0, 0.6, 0.25, 0.45, 0.9, 0.5])
+    np.testing.assert_allclose(_compete(p, owner, sources, depths, 3), want)
+
+    def plan(compete: str):
+        monkeypatch.setenv("VLLM_DARTREE_COMPETE", compete)
+        budget = TreeBudget(max_nodes=8, max_depth=6)
+        budget.costs = StepCosts(plain_step=0.05)
+        for _ in range(30):    # a plain step of 50 ms; a draft round of 5 ms
+            budget.costs.observe_target(1, 0, 0.05)
+            budget.costs.observe_target(5, 1, 0.05, 4)
+            budget.costs.observe_draft(1, 3, 0.005)
+        d_scores, d_depths = np.log(0.5) * np.arange(1, 4), np.arange(1, 4)
+        l_scores, l_depths = np.log(0.97) * np.arange(1, 4), np.arange(1, 4)
+        for _ in range(40):    # the drafter's nodes accepted half the time, lookup's always
+            budget.observe_walk("a", True, d_scores, d_depths, [0, 1, 2])
+            budget.observe_walk("a", True, d_scores, d_depths, [])
+            budget.observe_walk("a", True, l_scores, l_depths, [0, 1, 2], np.full(3, LOOKUP))
+        budget._profiles["a"] = (d_scores, d_depths, np.full(3, DRAFTER))
+        return budget.plan(["a"], [True], 1, [(l_scores, l_depths)])
+
+    assert plan("1").depth == 0 and plan("1").nodes[0] >= 3
+    assert plan("0").depth > 0
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), r=st.integers(1, 6))
 def test_batched_curves_equal_each_request_predicted_alone(seed, r):
     """`_curves` predicts every request's tree in one pass per calibrator; each row equals
     the request's tree predicted alone (its own correction, its nodes best-first by p, ties
     by depth, lookup nodes needing no drafter depth)."""
-    from vllm_dartree.engine.controller import _curve
+    from vllm_dartree.engine.controller import _compete, _curve
     from vllm_dartree.tree.lookup import BOTH, DRAFTER, LOOKUP
     gen = np.random.default_rng(seed)
     budget = TreeBudget(max_nodes=8, max_depth=6)
@@ -376,6 +415,8 @@ def test_batched_curves_equal_each_request_predicted_alone(seed, r):
             continue
         scores, d, sources = nodes
         p = budget.predict(rid, bool(greedy[i]), scores, d, sources)
+        if lookup[i] is not None:   # its drafter nodes beside this round's lookup nodes
+            p = _compete(p, np.zeros(len(p), dtype=np.int64), sources, d, 1)
         order = np.lexsort((d, -p))
         want_g, want_d = _curve(p[order], np.where(sources[order] == LOOKUP, 0, d[order]), 8)
         np.testing.assert_allclose(gains[i], want_g, rtol=1e-12, atol=1e-12)
@@ -541,12 +582,14 @@ def test_a_stale_unsure_profile_is_blended_with_the_recent_trees():
         weight = PROFILE_WEIGHT * 0.5 ** age
         assert gains[0, 1:] == pytest.approx(np.cumsum(weight * own + (1 - weight) * pool))
     assert gains[0, 4] > np.sum(own) + 0.1                 # the unsure tree alone said less
-    # lookup nodes of this round: their estimates as they are
+    # lookup nodes of this round: their estimates as they are (the drafter's blended ones
+    # then compete with lookup's first node for the root: `_compete`)
     found = (np.array([-0.2, -0.4]), np.array([1, 2]))
     gains, _, _ = budget._curves(["b"], [True], [found])
     lookup_p = budget.predict("b", True, *found, np.array([LOOKUP, LOOKUP]))
     weight = PROFILE_WEIGHT * 0.5 ** 3
-    merged = np.sort(np.concatenate([weight * own + (1 - weight) * pool, lookup_p]))[::-1]
+    blended = (weight * own + (1 - weight) * pool) * (1 - min(lookup_p[0], 1.0))
+    merged = np.sort(np.concatenate([blended, lookup_p]))[::-1]
     assert gains[0, 1:] == pytest.approx(np.cumsum(merged[:4]))
 
 

@@ -23,6 +23,8 @@ the plugin's worker and attention, to measure what the plugin itself costs.
 `VLLM_DARTREE_CONFIDENCE=1` (off by default) also scales predictions by the target's
 confidence at each request's last sampled row (`confidence_factor`): an experiment that has
 not paid on this machine (docs/engine.md, "The target's confidence").
+`VLLM_DARTREE_COMPETE=0` plans a request's drafter nodes beside this round's lookup branches
+as if they did not compete for the root's one accepted child (`_compete`): for comparison.
 `VLLM_DARTREE_TRACE=FILE` writes every plan, draft, walk and step timing to FILE
 (`engine.trace`, which also reads one back: planned against realized speed-ups).
 """
@@ -92,6 +94,23 @@ PROFILE_WEIGHT = 0.5
 POOL_TREES = 8
 
 
+def _compete(p: np.ndarray, owner: np.ndarray, sources: np.ndarray, depths: np.ndarray,
+             r: int) -> np.ndarray:
+    """A request's predicted drafter nodes (grouped by `owner` [M], R requests) scaled by
+    the chance that this round's lookup branches miss at the root, 1 - min(1, sum of p over
+    its lookup nodes at depth 1): one child of the root is accepted, so where lookup's first
+    token is likely right, the drafter's nodes beside it are likely not (and where the
+    drafter agrees with it, the merged tree shares the node: it adds nothing either). Summed
+    as if independent, a confident lookup match made the drafter's pass look worth its cost
+    on top of it. (Deeper drafter nodes that continue the lookup path are undercounted: a
+    conservative estimate, like the curves'.)"""
+    first = (sources == LOOKUP) & (depths == 1)
+    if not first.any():
+        return p
+    miss = 1.0 - np.minimum(np.bincount(owner[first], weights=p[first], minlength=r), 1.0)
+    return np.where(sources != LOOKUP, p * miss[owner], p)
+
+
 def confidence_bin(confidence: float) -> int:
     """0 (below 0.3) .. 5 (0.95 and above)."""
     return int(np.searchsorted(CONF_EDGES, confidence, side="right"))
@@ -159,6 +178,7 @@ class TreeBudget:
         self.explore_depth = min(max_depth, 2 * max(self.explore_nodes))
         self.never = os.environ.get("VLLM_DARTREE_PLAIN", "0") not in ("", "0")
         self.use_confidence = os.environ.get("VLLM_DARTREE_CONFIDENCE", "0") not in ("", "0")
+        self.compete = os.environ.get("VLLM_DARTREE_COMPETE", "1") not in ("", "0")
         self._explored = False     # the last tree step was an exploration
         # one calibrator per temperature class and node source (drafter / lookup / both)
         self.calibrators = {(g, src): AcceptanceCalibrator() for g in (True, False)
@@ -354,6 +374,8 @@ class TreeBudget:
                     p[at] = np.minimum(cal.predict(scores[at], node_depths[at])
                                        * correction[owner[at]], 1.0) * self.shrink(g)
             p = self._blend(p, owner, sources, rids, greedy, sizes)
+            if self.compete and lookup is not None:
+                p = _compete(p, owner, sources, node_depths, r)
             order = np.lexsort((node_depths, -p, owner))
             p, node_depths, sources = p[order], node_depths[order], sources[order]
             need = np.where(sources == LOOKUP, 0, node_depths)
