@@ -340,6 +340,34 @@ def test_a_lookup_only_first_tree_leaves_the_pool_profile():
     assert nxt.nodes[0] > 0 and nxt.depth > 0
 
 
+def test_a_plan_that_takes_the_whole_predicted_tree_drafts_deeper():
+    """The drafted depth is the plan's plus one, or plus half of it when the plan takes
+    every node of the tree it predicts from (that tree was too small to say what more would
+    earn): a drafter that is right grows its trees in a few steps, not one depth a step."""
+    budget = TreeBudget(max_nodes=32, max_depth=16)
+    budget.costs = StepCosts(plain_step=0.05)
+    for _ in range(30):    # a node 1 ms (against a 50 ms step), drafting cheap
+        budget.costs.observe_target(1, 0, 0.05)
+        budget.costs.observe_target(21, 1, 0.07, 20)
+        budget.costs.observe_draft(1, 8, 0.001)
+    scores, depths = np.zeros(12), np.repeat(np.arange(1, 7), 2)   # 2 nodes a depth
+    for _ in range(30):    # one of each pair accepted
+        budget.observe_walk("a", True, scores, depths, [0, 2, 4, 6, 8, 10])
+    budget._profiles["a"] = (scores, depths, None)
+    plan = budget.plan(["a"], [True], 1)
+    assert plan.nodes[0] == 12 and plan.depth == 6 + 3        # the whole tree: half again
+    sizes = budget._sizes
+    assert budget._growth(np.array([12]), 6) == 3 and budget._growth(np.array([7]), 4) == 1
+    assert list(sizes) == [12]
+    # a plan that keeps part of its tree drafts one depth more, as before
+    budget._profiles["a"] = (np.concatenate([scores, np.full(12, -9.0)]),
+                             np.concatenate([depths, np.repeat(np.arange(1, 7), 2)]), None)
+    for _ in range(30):
+        budget.observe_walk("a", True, np.full(12, -9.0), np.repeat(np.arange(1, 7), 2), [])
+    plan = budget.plan(["a"], [True], 1)
+    assert 0 < plan.nodes[0] < 24 and plan.depth == 6 + 1
+
+
 def test_drafter_nodes_compete_with_a_confident_lookup_match(monkeypatch):
     """One child of the root is accepted: beside lookup branches whose first nodes have p,
     the drafter's nodes are planned at (1 - p) of their estimate. With a lookup match that is

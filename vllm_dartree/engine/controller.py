@@ -214,6 +214,7 @@ class TreeBudget:
         self._log_every, self._last_log = log_every, time.monotonic()
         self.trace = BudgetTrace.from_env()
         self._plain_rate = 0.0     # the last plan's tokens/s for a plain step (for the trace)
+        self._sizes = np.zeros(0, dtype=np.int64)   # the last plan's predicted tree sizes
 
     # -- planning -------------------------------------------------------------------------
     def batch_costs(self, other_rows: int = 0) -> BatchCosts:
@@ -358,6 +359,7 @@ class TreeBudget:
             unknown[i] = part is None
         sizes = np.array([0 if part is None else len(part[0]) for part in parts],
                          dtype=np.int64)
+        self._sizes = sizes
         if sizes.sum():
             known = [part for part in parts if part is not None]
             owner = np.repeat(np.arange(r), sizes)
@@ -468,11 +470,24 @@ class TreeBudget:
         if nodes.any():
             self._plain_run = 0
             self.stats["tree_steps"] += 1
-            if depth > 0:   # one depth more: the profile can grow (0: lookup nodes only)
-                depth = min(self.max_depth, depth + 1)
+            if depth > 0:   # deeper than planned, so the profile can grow (0: lookup only)
+                depth = min(self.max_depth, depth + self._growth(plan.nodes, depth))
         else:
             self.stats["plain_steps"] += 1
         return BudgetPlan(nodes, depth, plan.rate, explore, factors)
+
+    def _growth(self, planned: np.ndarray, depth: int) -> int:
+        """Depths to draft past the plan's: one, or half as many again (at least one) when
+        the plan takes a whole predicted tree (its curve ends there: the tree it predicts
+        from was too small to say what more would earn). A tree grows only as deep as it was
+        drafted, so with one depth a step, a drafter that is right (the oracle: 2 nodes a
+        depth, half of them accepted) verified 20 nodes a tree where 32 paid (4.48x plain
+        decoding against a fixed 32-node tree's 5.18x at one request)."""
+        sizes = self._sizes
+        if len(sizes) != len(planned):
+            return 1
+        whole = (planned > 0) & (planned >= np.minimum(sizes, self.max_nodes))
+        return max(1, depth // 2) if whole.any() else 1
 
     def cut(self, rid, greedy: bool, scores: np.ndarray, depths: np.ndarray,
             plan: BudgetPlan, i: int, sources: np.ndarray | None = None) -> int:
