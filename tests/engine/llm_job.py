@@ -28,12 +28,21 @@ def _drafter_tables(worker):
     return out
 
 
+def _kernel_resolved(worker):
+    """Whether this worker's process has already resolved the compiled CPU tree attention
+    (built, loaded, or found unavailable)."""
+    from vllm_dartree.engine import cpu_kernel
+    return cpu_kernel._module is not cpu_kernel._UNSET
+
+
 def main() -> None:
     job = json.loads(open(sys.argv[1]).read())
     from vllm import LLM, SamplingParams
 
     llm = LLM(**job["engine"])
     result = {"batches": []}
+    if job.get("kernel_state"):   # before any request (needs VLLM_ALLOW_INSECURE_SERIALIZATION)
+        result["kernel_resolved"] = llm.collective_rpc(_kernel_resolved)
     for batch in job["batches"]:
         prompts = [{"prompt_token_ids": p} for p in batch["prompts"]]
         params = [SamplingParams(**p) for p in batch["params"]]

@@ -521,3 +521,17 @@ def test_lookup_branches_are_accepted_where_the_target_repeats(plain, dartree8, 
     assert b["lookup_rebuilds"] <= dartree8["counters"].get("vllm:num_preemptions", 0)
     assert b["lookup_live_requests"] == 0
     assert dartree8["counters"]["vllm:spec_decode_num_accepted_tokens"] >= b["lookup_accepted"]
+
+
+def test_the_cpu_tree_kernel_is_resolved_when_the_engine_starts(tiny, tmp_path):
+    """The worker builds (or loads) the compiled CPU tree attention while the engine starts,
+    before any request: its first build on a machine takes about a minute, which the first
+    request would otherwise wait out mid-answer. Off (`VLLM_DARTREE_CPU_KERNEL=0`), it is
+    left alone."""
+    engine = engine_kwargs(tiny["target"], speculative_config=dartree_spec(tiny["drafter"]))
+    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    got = run_job(tmp_path, engine, [], env=env, kernel_state=True)
+    assert got["kernel_resolved"] == [True]
+    got = run_job(tmp_path, engine, [], env={**env, "VLLM_DARTREE_CPU_KERNEL": "0"},
+                  kernel_state=True)
+    assert got["kernel_resolved"] == [False]

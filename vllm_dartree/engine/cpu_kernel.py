@@ -1,4 +1,5 @@
-"""The compiled CPU tree-attention kernel (`csrc/tree_attention_cpu.cpp`), built on first use.
+"""The compiled CPU tree-attention kernel (`csrc/tree_attention_cpu.cpp`), built when a CPU
+worker starts (`engine.worker.build_tree_kernel`; the first caller otherwise).
 
 torch's C++ extension loader compiles it once per machine and source (about a minute on two
 cores; cached under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`). Without a

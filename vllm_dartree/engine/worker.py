@@ -4,7 +4,9 @@ name travels in the pickled config, so this works with the engine in its own pro
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.worker import cpu_worker
@@ -15,6 +17,8 @@ from vllm_dartree.engine.gpu_attention import DARTreeGPUAttentionBackend
 from vllm_dartree.engine.runner import DARTreeRunnerMixin, DARTreeWorkerMixin
 
 __all__ = ["DARTreeCPUModelRunner", "DARTreeCPUWorker", "install_cpu_attention"]
+
+logger = logging.getLogger("vllm.dartree")
 
 CPU_BACKEND = "vllm_dartree.engine.cpu_attention.DARTreeCPUAttentionBackend"
 # VLLM_DARTREE_CPU_ATTENTION: "sdpa" (default, the CPU backend) or "paged": the GPU
@@ -49,12 +53,33 @@ def install_cpu_attention() -> None:
     _cached_get_attn_backend.cache_clear()
 
 
+def build_tree_kernel() -> None:
+    """Build (or load from torch's extension cache) the compiled CPU tree attention while the
+    engine starts, not in the first step that verifies a tree: its first build on a machine
+    takes about a minute on two cores (46 s on the EPYC of docs/engine.md's run AE), which
+    the first request would otherwise wait out in the middle of its answer."""
+    if os.environ.get("VLLM_DARTREE_CPU_ATTENTION", "sdpa") != "sdpa":
+        return
+    from vllm_dartree.engine import cpu_kernel
+    if not cpu_kernel.enabled():
+        return
+    start = time.perf_counter()
+    module = cpu_kernel.load()
+    seconds = time.perf_counter() - start
+    if module is not None and seconds > 5:
+        logger.info("dartree: built the CPU tree-attention kernel (%s) in %.0f s; later "
+                    "engines on this machine load it from torch's extension cache",
+                    cpu_kernel.isa(), seconds)
+
+
 class DARTreeCPUWorker(DARTreeWorkerMixin, CPUWorker):
     def init_device(self):
         install_cpu_attention()
         stock = cpu_worker.CPUModelRunner
         cpu_worker.CPUModelRunner = DARTreeCPUModelRunner
         try:
-            return super().init_device()
+            out = super().init_device()
         finally:
             cpu_worker.CPUModelRunner = stock
+        build_tree_kernel()
+        return out
