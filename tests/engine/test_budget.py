@@ -356,9 +356,7 @@ def test_a_plan_that_takes_the_whole_predicted_tree_drafts_deeper():
     budget._profiles["a"] = (scores, depths, None)
     plan = budget.plan(["a"], [True], 1)
     assert plan.nodes[0] == 12 and plan.depth == 6 + 3        # the whole tree: half again
-    sizes = budget._sizes
-    assert budget._growth(np.array([12]), 6) == 3 and budget._growth(np.array([7]), 4) == 1
-    assert list(sizes) == [12]
+    assert list(budget._curves(["a"], [True])[3]) == [12]
     # a plan that keeps part of its tree drafts one depth more, as before
     budget._profiles["a"] = (np.concatenate([scores, np.full(12, -9.0)]),
                              np.concatenate([depths, np.repeat(np.arange(1, 7), 2)]), None)
@@ -434,7 +432,7 @@ def test_batched_curves_equal_each_request_predicted_alone(seed, r):
                                                replace=False), sources)
     lookup = [None if gen.random() < 0.5 else
               (gen.uniform(-3, 0, k), np.arange(1, k + 1)) for k in gen.integers(1, 5, r)]
-    gains, depths, unknown = budget._curves(rids, list(greedy), lookup)
+    gains, depths, unknown, _ = budget._curves(rids, list(greedy), lookup)
     for i, rid in enumerate(rids):
         nodes = budget._profile_nodes(rid, bool(greedy[i]), lookup[i])
         assert unknown[i] == (nodes is None)
@@ -544,7 +542,7 @@ def test_confidence_factor_tells_steps_apart(monkeypatch):
         budget._profiles[rid] = (scores, depths, None)
     plan = budget.plan(["x", "y", "z"], [True] * 3, 3, confidence=[0.99, 0.1, None])
     np.testing.assert_allclose(plan.factor, [hi, lo, 1.0])
-    gains, _, _ = budget._curves(["x", "y", "z"], [True] * 3, None, plan.factor)
+    gains = budget._curves(["x", "y", "z"], [True] * 3, None, plan.factor)[0]
     p = budget.predict("z", True, scores, depths)           # unscaled
     assert gains[2, 4] == pytest.approx(p.sum())
     assert gains[1, 4] == pytest.approx(lo * p.sum())
@@ -606,14 +604,14 @@ def test_a_stale_unsure_profile_is_blended_with_the_recent_trees():
                     for s in (sure, unsure)], axis=0)
     own = np.sort(budget.predict("b", True, unsure, depths))[::-1]
     for age in range(3):
-        gains, _, _ = budget._curves(["b"], [True])
+        gains = budget._curves(["b"], [True])[0]
         weight = PROFILE_WEIGHT * 0.5 ** age
         assert gains[0, 1:] == pytest.approx(np.cumsum(weight * own + (1 - weight) * pool))
     assert gains[0, 4] > np.sum(own) + 0.1                 # the unsure tree alone said less
     # lookup nodes of this round: their estimates as they are (the drafter's blended ones
     # then compete with lookup's first node for the root: `_compete`)
     found = (np.array([-0.2, -0.4]), np.array([1, 2]))
-    gains, _, _ = budget._curves(["b"], [True], [found])
+    gains = budget._curves(["b"], [True], [found])[0]
     lookup_p = budget.predict("b", True, *found, np.array([LOOKUP, LOOKUP]))
     weight = PROFILE_WEIGHT * 0.5 ** 3
     blended = (weight * own + (1 - weight) * pool) * (1 - min(lookup_p[0], 1.0))

@@ -111,6 +111,16 @@ def _compete(p: np.ndarray, owner: np.ndarray, sources: np.ndarray, depths: np.n
     return np.where(sources != LOOKUP, p * miss[owner], p)
 
 
+def _growth(depth: int, whole: bool) -> int:
+    """Depths to draft past the plan's `depth`: one, or half as many again (at least one)
+    when the plan takes a whole predicted tree (`whole`: its curve ends there, the tree it
+    predicts from was too small to say what more would earn). A tree grows only as deep as
+    it was drafted, so with one depth a step, a drafter that is right (the oracle: 2 nodes a
+    depth, half of them accepted) verified 20 nodes a tree where 32 paid (4.48x plain
+    decoding against a fixed 32-node tree's 5.18x at one request)."""
+    return max(1, depth // 2) if whole else 1
+
+
 def confidence_bin(confidence: float) -> int:
     """0 (below 0.3) .. 5 (0.95 and above)."""
     return int(np.searchsorted(CONF_EDGES, confidence, side="right"))
@@ -214,7 +224,6 @@ class TreeBudget:
         self._log_every, self._last_log = log_every, time.monotonic()
         self.trace = BudgetTrace.from_env()
         self._plain_rate = 0.0     # the last plan's tokens/s for a plain step (for the trace)
-        self._sizes = np.zeros(0, dtype=np.int64)   # the last plan's predicted tree sizes
 
     # -- planning -------------------------------------------------------------------------
     def batch_costs(self, other_rows: int = 0) -> BatchCosts:
@@ -299,12 +308,12 @@ class TreeBudget:
                     memo[cell] = self.confidence_factor(g, c)
                 factors[i] = memo[cell]
                 self._conf_of[rid] = (cell[1], memo[cell])
-        plan, unknown = self._plan(rids, greedy, num_running, lookup, factors)   # ~1 ms at 16
+        plan, unknown, whole = self._plan(rids, greedy, num_running, lookup, factors)  # ~1 ms
         if lookup is not None:   # how often lookup had something, and how often it was used
             offered = np.array([f is not None for f in lookup], dtype=bool)
             self.stats["lookup_offered"] += int(offered.sum())
             self.stats["lookup_offered_planned"] += int((offered & (plan.nodes > 0)).sum())
-        out = self._finish(plan, unknown, factors)
+        out = self._finish(plan, unknown, factors, whole)
         if self.trace is not None:
             self.trace.event("plan", id=self.stats["steps"], running=num_running,
                              requests=len(rids),
@@ -332,8 +341,10 @@ class TreeBudget:
         return scores, depths, sources
 
     def _plan(self, rids, greedy, num_running, lookup=None,
-              factors: np.ndarray | None = None) -> tuple[Plan, np.ndarray]:
-        gains, depths, unknown = self._curves(rids, greedy, lookup, factors)
+              factors: np.ndarray | None = None) -> tuple[Plan, np.ndarray, bool]:
+        """The plan, which requests had nothing to predict from, and whether it takes the
+        whole predicted tree of some request (`_growth`)."""
+        gains, depths, unknown, sizes = self._curves(rids, greedy, lookup, factors)
         # requests that decode without a drafting candidate still cost their row
         costs = self.batch_costs(max(num_running - len(rids), 0))
         self._costs = costs
@@ -341,12 +352,13 @@ class TreeBudget:
         if self.trace is not None:   # the same cost model's plain step, for the trace alone
             self._plain_rate = throughput(gains, depths, np.zeros(len(rids), dtype=np.int64),
                                           costs)
-        return plan, unknown
+        whole = bool(((plan.nodes > 0) & (plan.nodes >= np.minimum(sizes, self.max_nodes))).any())
+        return plan, unknown, whole
 
     def _curves(self, rids, greedy, lookup=None, factors: np.ndarray | None = None):
         """Every request's prefix curves (gains, depths: [R, B + 1]) of its predicted tree,
         best-first by calibrated p (times each request's confidence factor, `factors` [R]),
-        and which requests had nothing to predict from [R]."""
+        which requests had nothing to predict from [R], and the predicted trees' sizes [R]."""
         r = len(rids)
         gains = np.zeros((r, self.max_nodes + 1))
         depths = np.zeros((r, self.max_nodes + 1), dtype=np.int64)
@@ -359,7 +371,6 @@ class TreeBudget:
             unknown[i] = part is None
         sizes = np.array([0 if part is None else len(part[0]) for part in parts],
                          dtype=np.int64)
-        self._sizes = sizes
         if sizes.sum():
             known = [part for part in parts if part is not None]
             owner = np.repeat(np.arange(r), sizes)
@@ -382,7 +393,7 @@ class TreeBudget:
             p, node_depths, sources = p[order], node_depths[order], sources[order]
             need = np.where(sources == LOOKUP, 0, node_depths)
             gains, depths = _curves_sorted(p, need, sizes, self.max_nodes)
-        return gains, depths, unknown
+        return gains, depths, unknown, sizes
 
     def _blend(self, p: np.ndarray, owner: np.ndarray, sources: np.ndarray, rids, greedy,
                sizes: np.ndarray) -> np.ndarray:
@@ -442,7 +453,7 @@ class TreeBudget:
                  sources[own]))
 
     def _finish(self, plan: Plan, unknown: np.ndarray,
-                factors: np.ndarray | None = None) -> BudgetPlan:
+                factors: np.ndarray | None = None, whole: bool = False) -> BudgetPlan:
         """Exploration on top of the plan, and the counters."""
         r = len(unknown)
         nodes, depth = plan.nodes.copy(), plan.depth
@@ -471,23 +482,10 @@ class TreeBudget:
             self._plain_run = 0
             self.stats["tree_steps"] += 1
             if depth > 0:   # deeper than planned, so the profile can grow (0: lookup only)
-                depth = min(self.max_depth, depth + self._growth(plan.nodes, depth))
+                depth = min(self.max_depth, depth + _growth(depth, whole))
         else:
             self.stats["plain_steps"] += 1
         return BudgetPlan(nodes, depth, plan.rate, explore, factors)
-
-    def _growth(self, planned: np.ndarray, depth: int) -> int:
-        """Depths to draft past the plan's: one, or half as many again (at least one) when
-        the plan takes a whole predicted tree (its curve ends there: the tree it predicts
-        from was too small to say what more would earn). A tree grows only as deep as it was
-        drafted, so with one depth a step, a drafter that is right (the oracle: 2 nodes a
-        depth, half of them accepted) verified 20 nodes a tree where 32 paid (4.48x plain
-        decoding against a fixed 32-node tree's 5.18x at one request)."""
-        sizes = self._sizes
-        if len(sizes) != len(planned):
-            return 1
-        whole = (planned > 0) & (planned >= np.minimum(sizes, self.max_nodes))
-        return max(1, depth // 2) if whole.any() else 1
 
     def cut(self, rid, greedy: bool, scores: np.ndarray, depths: np.ndarray,
             plan: BudgetPlan, i: int, sources: np.ndarray | None = None) -> int:
