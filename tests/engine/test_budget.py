@@ -619,6 +619,35 @@ def test_a_stale_unsure_profile_is_blended_with_the_recent_trees():
     assert gains[0, 1:] == pytest.approx(np.cumsum(merged[:4]))
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), ops=st.lists(st.sampled_from(["plan", "walk", "cut"]),
+                                                 min_size=1, max_size=12))
+def test_the_kept_pool_curve_is_the_one_computed_now(seed, ops):
+    """The pool's curve is kept between plans (a run of plain steps plans from it): after
+    any sequence of plans (at varying batch sizes), fresh trees and walks it equals the curve
+    computed from scratch, for both temperature classes."""
+    gen = np.random.default_rng(seed)
+    budget = TreeBudget(max_nodes=6, max_depth=6)
+    for op in ops:
+        greedy = bool(gen.integers(0, 2))
+        n = int(gen.integers(1, 7))
+        scores = np.sort(gen.uniform(-6, 0, n))[::-1]
+        depths = np.minimum(np.arange(1, n + 1), 6)
+        if op == "plan":
+            r = int(gen.integers(1, 4))
+            budget.plan([f"r{i}" for i in range(r)], [greedy] * r, int(gen.integers(1, 17)))
+        elif op == "walk":
+            budget.observe_walk("r0", greedy, scores, depths, list(range(gen.integers(0, n))))
+        else:
+            plan = budget.plan(["r0"], [greedy], 1)
+            budget.cut("r0", greedy, scores, depths, plan, 0)
+        for g in (True, False):
+            kept, now = budget._pool_curve(g), budget._pool_curve_now(g)
+            assert (kept is None) == (now is None)
+            if now is not None:
+                assert kept == pytest.approx(now, abs=1e-12)
+
+
 @settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 2**31), b=st.integers(1, 8), others=st.integers(0, 6))
 def test_hinged_plan_equals_brute_force_for_one_request(seed, b, others):

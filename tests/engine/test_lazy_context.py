@@ -43,10 +43,10 @@ op = st.one_of(
 
 
 @settings(max_examples=200, deadline=None)
-@given(ops=st.lists(op, max_size=30), max_pending=st.integers(1, 48))
-def test_lazy_context_equals_eager_extension(ops, max_pending):
+@given(ops=st.lists(op, max_size=30), max_rows=st.integers(1, 48))
+def test_lazy_context_equals_eager_extension(ops, max_rows):
     eager, lazy_drafter = RecordingDrafter(), RecordingDrafter()
-    lazy = LazyContext(lazy_drafter, max_pending=max_pending)
+    lazy = LazyContext(lazy_drafter, max_bytes=12 * max_rows)   # a row: 3 fp32 features
     counter = 0
     for kind, rid, n in ops:
         if kind == "add":
@@ -63,9 +63,10 @@ def test_lazy_context_equals_eager_extension(ops, max_pending):
             lazy.flush(rid)
         else:
             lazy.flush()
-            assert all(lazy.waiting(r) < max_pending for r in RIDS)
+            assert lazy.bytes <= 12 * max_rows
         for r in RIDS:
             assert lazy.length(r) == eager.length(r)
+        assert lazy.bytes == 12 * sum(lazy.waiting(r) for r in RIDS)
     lazy.flush(RIDS)
     assert len(lazy) == 0
     for r in RIDS:
@@ -77,19 +78,39 @@ def test_lazy_context_equals_eager_extension(ops, max_pending):
             assert torch.equal(got, want)
 
 
-def test_rows_wait_until_the_request_drafts_or_the_cap():
+def test_rows_wait_until_the_request_drafts_or_the_bound():
     drafter = RecordingDrafter()
-    lazy = LazyContext(drafter, max_pending=4)
+    lazy = LazyContext(drafter, max_bytes=4 * 8)    # four rows of two fp32 features
     for step in range(3):                      # three plain steps: nothing reaches the drafter
         lazy.add("a", [step], torch.zeros(1, 2))
         lazy.flush()
     assert drafter.calls == 0 and lazy.length("a") == 3 and len(lazy) == 1
-    lazy.add("a", [3], torch.zeros(1, 2))      # the cap: one batched extension
     lazy.add("b", [9], torch.zeros(1, 2))
-    lazy.flush()
-    assert drafter.calls == 1 and drafter.tokens == {"a": [0, 1, 2, 3]} and lazy.waiting("b") == 1
+    lazy.flush()                               # four rows: at the bound, not past it
+    assert drafter.calls == 0
+    lazy.add("a", [3], torch.zeros(1, 2))      # past it: the request holding most goes
+    lazy.flush()                               # until half the bound is left
+    assert drafter.calls == 1 and drafter.tokens == {"a": [0, 1, 2, 3]}
+    assert lazy.waiting("b") == 1 and lazy.bytes == 8
     lazy.flush(["b"])                          # b drafts: its row goes first
-    assert drafter.tokens["b"] == [9] and len(lazy) == 0
+    assert drafter.tokens["b"] == [9] and len(lazy) == 0 and lazy.bytes == 0
     lazy.add("a", [4], torch.zeros(1, 2))
     lazy.free("a")
-    assert len(lazy) == 0 and lazy.length("a") == 4
+    assert len(lazy) == 0 and lazy.length("a") == 4 and lazy.bytes == 0
+
+
+def test_a_small_view_of_a_large_step_tensor_is_copied():
+    """What waits holds the memory it is counted for: a request's rows, not the whole step's
+    gathered tensor they were cut from."""
+    drafter = RecordingDrafter()
+    lazy = LazyContext(drafter)
+    step = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    big, small = step[:6], step[6:7]
+    lazy.add("a", list(range(6)), big)
+    lazy.add("b", [6], small)
+    kept_a, kept_b = lazy._pending["a"][1][0], lazy._pending["b"][1][0]
+    assert kept_a.untyped_storage().data_ptr() == step.untyped_storage().data_ptr()
+    assert kept_b.untyped_storage().nbytes() == 16 and torch.equal(kept_b, small)
+    assert lazy.bytes == 7 * 16
+    lazy.flush(["a", "b"])
+    assert torch.equal(torch.stack(drafter.feats["b"]), small)

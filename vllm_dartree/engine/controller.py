@@ -211,6 +211,11 @@ class TreeBudget:
         # per temperature class: the drafter nodes (scores, depths, sources) of the last
         # POOL_TREES fresh trees (`_blend`); rid -> plans made since its last fresh tree
         self._recent: dict[bool, collections.deque] = {}
+        # `_pool_curve` per temperature class, kept while neither the calibration, the
+        # selection bias nor the recent trees change (`_version`: bumped by every walk and
+        # fresh tree) and the batch class is the same: a run of plain steps plans from it
+        self._version = 0
+        self._pool_curves: dict[bool, tuple[tuple[int, int], np.ndarray | None]] = {}
         self._age: dict[Hashable, int] = {}
         self._costs: BatchCosts | None = None   # the last plan's, for the cut of its trees
         self._plain_run = 0
@@ -426,6 +431,13 @@ class TreeBudget:
     def _pool_curve(self, greedy: bool) -> np.ndarray | None:
         """The average estimate at each best-first rank of the drafter nodes of the class's
         last fresh trees [max_nodes], by the current calibration; None before any."""
+        key = (self._version, self._class)
+        cached = self._pool_curves.get(greedy)
+        if cached is None or cached[0] != key:
+            cached = self._pool_curves[greedy] = (key, self._pool_curve_now(greedy))
+        return cached[1]
+
+    def _pool_curve_now(self, greedy: bool) -> np.ndarray | None:
         trees = self._recent.get(greedy)
         if not trees:
             return None
@@ -445,6 +457,7 @@ class TreeBudget:
         """A fresh tree of the drafter's: its drafter nodes join the pool's recent trees
         (`_blend`), and the request's profile is new again."""
         self._age[rid] = 0
+        self._version += 1
         sources = np.full(len(scores), DRAFTER) if sources is None else np.asarray(sources)
         own = sources != LOOKUP
         if own.any():
@@ -540,6 +553,7 @@ class TreeBudget:
         for j, (rid, greedy, scores, labels, sources) in enumerate(trees):
             self._book_walk(rid, greedy, len(scores), labels, sources, float(predicted[j]),
                             float(observed[j]))
+        self._version += 1
 
     def _book_walk(self, rid, greedy: bool, nodes: int, labels: np.ndarray,
                    sources: np.ndarray, predicted: float, observed: float) -> None:

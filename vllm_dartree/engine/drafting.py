@@ -111,7 +111,7 @@ class DraftingMixin:
             if sampled and not self._dt_needs_full(rid):   # vLLM's sampler: no tree
                 draft_rows.append(i)
                 roots.append(int(sampled[-1]))
-        context.flush()                         # requests with max_pending rows waiting
+        context.flush()                         # only if too many bytes wait
         if not draft_rows:
             return out
         rids = [step.req_ids[i] for i in draft_rows]
@@ -142,10 +142,12 @@ class DraftingMixin:
             tokens = parents = depths = torch.zeros(len(rids), 0, dtype=torch.int64)
             scores = np.zeros((len(rids), 0))
         else:
-            # the drafter's round, as the budget's cost model sees it: extending the drafting
-            # requests' contexts with the rows waiting since their last draft, then drafting
+            # the drafter sees every committed row. Extending its context is not part of the
+            # round the budget's cost model prices: a committed row costs that once whenever
+            # its request drafts next (now or later), and a request's first draft extends
+            # its whole prompt, which would make one round look like several
+            context.flush(rids)
             start = time.perf_counter()
-            context.flush(rids)                 # the drafter sees every committed row
             # a tree of n nodes is at most n deep: a fixed budget needs no deeper drafts
             trees = self._dt_safe_draft(drafter, rids, roots, device,
                                         limit if plan is None else plan.depth)
