@@ -40,13 +40,30 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and _triton_available()
 
 
+@lru_cache(maxsize=1)
+def _cpu_greedy_argmax():
+    """vLLM's CPU kernel `_C.greedy_argmax` (what its sampler's greedy path calls on the
+    CPU), or None without vLLM's CPU ops."""
+    try:
+        import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
+        return torch.ops._C.greedy_argmax
+    except Exception:   # noqa: BLE001 - no vLLM, or no CPU build of its ops
+        return None
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(dim=-1)`: the index of the first maximum of every row (NaN counts as
-    the maximum). On the CPU through `max(dim=-1).indices`, which torch documents to return
-    the same first index and computes about 3x faster (16 rows of 49,152 logits, one
-    thread: 0.38 against 1.14 ms; a tree step's walk reads every row's)."""
+    the maximum). On the CPU, 2-D fp32 logits go through vLLM's `greedy_argmax` kernel
+    (the one its sampler uses for greedy rows), the rest through `max(dim=-1).indices`,
+    which torch documents to return the same first index. A tree step's walk reads every
+    row's: 9 / 16 / 40 rows of 49,152 logits on one core of an AMD EPYC took 0.13 / 0.29 /
+    0.55 ms in vLLM's kernel, 0.40 / 0.75 / 2.07 ms in torch's `max` (`argmax` no faster)."""
     if logits.is_cuda:
         return logits.argmax(dim=-1)
+    if logits.dim() == 2 and logits.dtype == torch.float32 and logits.shape[0]:
+        kernel = _cpu_greedy_argmax()
+        if kernel is not None:
+            return kernel(logits)
     return logits.max(dim=-1).indices
 
 

@@ -254,3 +254,40 @@ def test_walk_uses_the_given_mask():
     b = walk(GOLDEN, target, ancestor_mask(GOLDEN.parents))
     assert torch.equal(a.accepted_nodes, b.accepted_nodes)
     assert path_of(GOLDEN, 0, int(a.accepted_nodes[0, 2])) == (5, 7, 9)
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**31), num_req=st.integers(1, 4), n=st.integers(1, 40),
+       chain=st.floats(0, 1))
+def test_walk_without_a_mask_equals_brute_force_on_deep_trees(seed, num_req, n, chain):
+    """The walk's pointer jumping (no mask) against the brute force and against the walk
+    with the ancestor mask, on random trees up to 40 deep (`chain`: how often a node hangs
+    under the node just before it), with slots past each tree's size."""
+    from vllm_dartree.tree import TreeBatch, ancestor_mask
+    gen = torch.Generator().manual_seed(seed)
+    parents = torch.full((num_req, n), -1, dtype=torch.long)
+    depths = torch.zeros(num_req, n, dtype=torch.long)
+    for r in range(num_req):
+        for i in range(n):
+            deep = torch.rand((), generator=gen) < chain
+            p = i - 1 if deep else int(torch.randint(-1, i, (), generator=gen))
+            parents[r, i] = p
+            depths[r, i] = 1 + (int(depths[r, p]) if p >= 0 else 0)
+    tokens = torch.zeros(num_req, n, dtype=torch.long)   # siblings' tokens are distinct:
+    for r in range(num_req):                               # a node's is its sibling rank
+        for i in range(n):
+            tokens[r, i] = int((parents[r, :i] == parents[r, i]).sum())
+    counts = torch.randint(0, n + 1, (num_req,), generator=gen)
+    tree = TreeBatch(tokens, parents, depths, torch.zeros(num_req, n), counts)
+    target = torch.randint(0, 2, (num_req, 1 + n), generator=gen)   # ranks 0 and 1 match
+    res = walk(tree, target)
+    masked = walk(tree, target, ancestor_mask(parents))
+    assert torch.equal(res.accepted_nodes, masked.accepted_nodes)
+    assert torch.equal(res.bonus_tokens, masked.bonus_tokens)
+    for r in range(num_req):
+        sized = TreeBatch(tokens[r:r + 1, :int(counts[r])], parents[r:r + 1, :int(counts[r])],
+                          depths[r:r + 1, :int(counts[r])], torch.zeros(1, int(counts[r])),
+                          counts[r:r + 1])
+        expected = _brute_force_walk(sized, 0, target[r].tolist())
+        assert int(res.num_accepted[r]) == len(expected)
+        assert tuple(res.accepted_nodes[r, :len(expected)].tolist()) == expected

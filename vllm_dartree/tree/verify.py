@@ -47,18 +47,21 @@ def walk(tree: TreeBatch, target_tokens: torch.Tensor,
     """Accept the longest root path whose drafts equal the target's tokens.
 
     target_tokens: [R, 1 + N] int64, the target's token at the root and at every node.
-    mask: the [R, 1 + N, 1 + N] ancestor mask if the caller has it (else it is built).
+    mask: the [R, 1 + N, 1 + N] ancestor mask if the caller has it; without one, whether
+    every node of a root path matches is found by pointer jumping (log2 N rounds of two
+    gathers; the mask costs N rounds of a gather and an [R, 1 + N, 1 + N] scatter).
     """
     num_req, n = tree.tokens.shape
     if n == 0:   # no draft slots at all: plain decoding, the bonus is the root's token
         empty = tree.tokens.new_empty(num_req, 0)
         return WalkResult(empty, tree.num_nodes.new_zeros(num_req), target_tokens[:, 0])
-    if mask is None:
-        mask = ops.ancestor_mask(tree.parents)
     at_parent = torch.gather(target_tokens, 1, tree.parents + 1)          # [R, N]
     match = (tree.tokens == at_parent) & valid_node_mask(tree)            # [R, N]
-    on_path = mask[:, 1:, 1:]                                             # [R, N, N]
-    accepted = ~(on_path & ~match[:, None, :]).any(dim=-1) & match        # [R, N]
+    if mask is not None:
+        on_path = mask[:, 1:, 1:]                                         # [R, N, N]
+        accepted = ~(on_path & ~match[:, None, :]).any(dim=-1) & match    # [R, N]
+    else:
+        accepted = _path_matches(tree.parents, match)
     num_accepted = accepted.sum(dim=1)
     # accepted nodes have distinct depths 1..L: put each at column depth - 1 (others: dump)
     slot = torch.where(accepted, tree.depths - 1, n)
@@ -71,6 +74,22 @@ def walk(tree: TreeBatch, target_tokens: torch.Tensor,
     last = torch.where(num_accepted > 0, last, -1)                        # -1 = the root
     bonus = torch.gather(target_tokens, 1, (last + 1)[:, None])[:, 0]
     return WalkResult(path, num_accepted, bonus)
+
+
+def _path_matches(parents: torch.Tensor, match: torch.Tensor) -> torch.Tensor:
+    """[R, N] bool: node i and all its ancestors match. Over the columns [root] + nodes
+    (the root matches and is its own parent), `ok[c]` holds for c and the `span` - 1 nodes
+    above it and `up[c]` is the node `span` hops up; each round doubles `span`, and a node at
+    depth d is settled once span >= d (depths are at most N)."""
+    num_req, n = match.shape
+    ok = torch.cat([match.new_ones(num_req, 1), match], dim=1)            # [R, 1 + N]
+    up = torch.cat([parents.new_zeros(num_req, 1), parents + 1], dim=1)   # [R, 1 + N]
+    span = 1
+    while span < n:
+        ok = ok & torch.gather(ok, 1, up)
+        up = torch.gather(up, 1, up)
+        span *= 2
+    return ok[:, 1:]
 
 
 def greedy_walk(tree: TreeBatch, target_logits: torch.Tensor,
