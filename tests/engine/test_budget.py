@@ -622,10 +622,11 @@ def test_a_stale_unsure_profile_is_blended_with_the_recent_trees():
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31), ops=st.lists(st.sampled_from(["plan", "walk", "cut"]),
                                                  min_size=1, max_size=12))
-def test_the_kept_pool_curve_is_the_one_computed_now(seed, ops):
-    """The pool's curve is kept between plans (a run of plain steps plans from it): after
-    any sequence of plans (at varying batch sizes), fresh trees and walks it equals the curve
-    computed from scratch, for both temperature classes."""
+def test_kept_curves_are_the_ones_computed_now(seed, ops):
+    """The pool's curve and each request's curve are kept between plans (a run of plain
+    steps plans from them): after any sequence of plans (at varying batch sizes), fresh
+    trees and walks they equal the curves computed from scratch, for both temperature
+    classes."""
     gen = np.random.default_rng(seed)
     budget = TreeBudget(max_nodes=6, max_depth=6)
     for op in ops:
@@ -646,6 +647,16 @@ def test_the_kept_pool_curve_is_the_one_computed_now(seed, ops):
             assert (kept is None) == (now is None)
             if now is not None:
                 assert kept == pytest.approx(now, abs=1e-12)
+        # the requests' kept curves (plans without lookup nodes) against curves computed
+        # now, at the ages the plan sees (past AGE_CAP plans a profile weighs < 1e-5)
+        for _ in range(int(gen.integers(0, 20))):
+            rids, flags = ["r0", "r1", "r2"], [bool(x) for x in gen.integers(0, 2, 3)]
+            ages = np.array([budget._age.get(rid, 0) for rid in rids], dtype=np.float64)
+            want = budget._curves_now(rids, flags, None, None, ages)
+            got = budget._curves(rids, flags)
+            assert got[0] == pytest.approx(want[0], abs=1e-4)
+            for a, b in zip(got[1:], want[1:]):
+                assert a.tolist() == b.tolist()
 
 
 @settings(max_examples=80, deadline=None)

@@ -92,6 +92,9 @@ CONF_RANGE = (0.25, 2.0)
 # current calibration (an average of old estimates would lag the calibration).
 PROFILE_WEIGHT = 0.5
 POOL_TREES = 8
+# past this many plans a profile weighs PROFILE_WEIGHT / 2**AGE_CAP (< 1e-5) in the blend:
+# its curve is the pool's and stays as it is (`TreeBudget._curves` keeps it)
+AGE_CAP = 16
 
 
 def _compete(p: np.ndarray, owner: np.ndarray, sources: np.ndarray, depths: np.ndarray,
@@ -216,6 +219,8 @@ class TreeBudget:
         # fresh tree) and the batch class is the same: a run of plain steps plans from it
         self._version = 0
         self._pool_curves: dict[bool, tuple[tuple[int, int], np.ndarray | None]] = {}
+        # rid -> (key, gains, depths, unknown, size) of its last curve without lookup nodes
+        self._kept_curves: dict[Hashable, tuple] = {}
         self._age: dict[Hashable, int] = {}
         self._costs: BatchCosts | None = None   # the last plan's, for the cut of its trees
         self._plain_run = 0
@@ -363,7 +368,44 @@ class TreeBudget:
     def _curves(self, rids, greedy, lookup=None, factors: np.ndarray | None = None):
         """Every request's prefix curves (gains, depths: [R, B + 1]) of its predicted tree,
         best-first by calibrated p (times each request's confidence factor, `factors` [R]),
-        which requests had nothing to predict from [R], and the predicted trees' sizes [R]."""
+        which requests had nothing to predict from [R], and the predicted trees' sizes [R].
+
+        A request without lookup nodes this round (and without a confidence factor) keeps
+        its curve while nothing it depends on changes (`_version`, the batch class, its
+        profile's age up to `AGE_CAP`): a run of plain steps at 16 requests plans mostly from
+        kept curves."""
+        r = len(rids)
+        gains = np.zeros((r, self.max_nodes + 1))
+        depths = np.zeros((r, self.max_nodes + 1), dtype=np.int64)
+        unknown = np.zeros(r, dtype=bool)
+        sizes = np.zeros(r, dtype=np.int64)
+        ages = [self._age.get(rid, 0) for rid in rids]
+        todo, keys = [], {}
+        for i, (rid, g) in enumerate(zip(rids, greedy)):
+            if factors is None and (lookup is None or lookup[i] is None):
+                key = (self._version, self._class, bool(g), min(ages[i], AGE_CAP))
+                kept = self._kept_curves.get(rid)
+                if kept is not None and kept[0] == key:
+                    _, gains[i], depths[i], unknown[i], sizes[i] = kept
+                    continue
+                keys[i] = key
+            todo.append(i)
+        if todo:
+            sub = self._curves_now([rids[i] for i in todo], [greedy[i] for i in todo],
+                                   None if lookup is None else [lookup[i] for i in todo],
+                                   None if factors is None else np.asarray(factors)[todo],
+                                   np.asarray([ages[i] for i in todo], dtype=np.float64))
+            for j, i in enumerate(todo):
+                gains[i], depths[i], unknown[i], sizes[i] = (part[j] for part in sub)
+                if i in keys:
+                    self._kept_curves[rids[i]] = (keys[i], gains[i].copy(), depths[i].copy(),
+                                                  bool(unknown[i]), int(sizes[i]))
+        for rid, age in zip(rids, ages):   # one plan older
+            self._age[rid] = age + 1
+        return gains, depths, unknown, sizes
+
+    def _curves_now(self, rids, greedy, lookup, factors, ages):
+        """`_curves` computed for these requests (their profiles' `ages` [R])."""
         r = len(rids)
         gains = np.zeros((r, self.max_nodes + 1))
         depths = np.zeros((r, self.max_nodes + 1), dtype=np.int64)
@@ -391,7 +433,7 @@ class TreeBudget:
                     correction = np.array([cal.correction(rid) for rid in rids]) * scale
                     p[at] = np.minimum(cal.predict(scores[at], node_depths[at])
                                        * correction[owner[at]], 1.0) * self.shrink(g)
-            p = self._blend(p, owner, sources, rids, greedy, sizes)
+            p = self._blend(p, owner, sources, ages, greedy, sizes)
             if self.compete and lookup is not None:
                 p = _compete(p, owner, sources, node_depths, r)
             order = np.lexsort((node_depths, -p, owner))
@@ -400,14 +442,11 @@ class TreeBudget:
             gains, depths = _curves_sorted(p, need, sizes, self.max_nodes)
         return gains, depths, unknown, sizes
 
-    def _blend(self, p: np.ndarray, owner: np.ndarray, sources: np.ndarray, rids, greedy,
-               sizes: np.ndarray) -> np.ndarray:
+    def _blend(self, p: np.ndarray, owner: np.ndarray, sources: np.ndarray,
+               ages: np.ndarray, greedy, sizes: np.ndarray) -> np.ndarray:
         """Each request's drafter-node estimates p (nodes grouped by `owner`), blended rank by
-        rank with its temperature class's pool average (`PROFILE_WEIGHT`); the ages of the
-        requests' profiles then grow by one plan."""
-        ages = np.array([self._age.get(rid, 0) for rid in rids], dtype=np.float64)
-        for rid in rids:
-            self._age[rid] = self._age.get(rid, 0) + 1
+        rank with its temperature class's pool average (`PROFILE_WEIGHT`, halved for each
+        of the `ages` [R] plans its profile has been used in)."""
         pools = {cls: self._pool_curve(cls) for cls in set(map(bool, greedy))}
         if not any(curve is not None for curve in pools.values()):
             return p
@@ -605,6 +644,7 @@ class TreeBudget:
     def free(self, rid: Hashable) -> None:
         self._profiles.pop(rid, None)
         self._age.pop(rid, None)
+        self._kept_curves.pop(rid, None)
         self._conf_of.pop(rid, None)
         for cal in self.calibrators.values():
             cal.free(rid)
@@ -612,7 +652,7 @@ class TreeBudget:
     @property
     def live_requests(self) -> int:
         """Requests with per-request state here (0 once every request has finished)."""
-        rids = set(self._profiles) | set(self._conf_of) | set(self._age)
+        rids = set(self._profiles) | set(self._conf_of) | set(self._age) | set(self._kept_curves)
         for cal in self.calibrators.values():
             rids |= cal.request_ids
         return len(rids)
