@@ -514,3 +514,23 @@ def test_a_bf16_drafter_casts_the_targets_head_once(tiny):
     assert out.base_logits.dtype == torch.bfloat16
     want = out.hidden.float() @ backbone.output_weight.to(torch.bfloat16).float().T
     torch.testing.assert_close(out.base_logits.float(), want, atol=0.1, rtol=0.02)
+
+
+@settings(max_examples=60, deadline=None)
+@given(parents=st.lists(st.integers(-1, 30), min_size=1, max_size=12))
+def test_a_chain_tree_is_verified_as_causal_rows(parents):
+    """`is_chain`: exactly the trees whose ancestor mask is the causal triangle (and whose
+    positions p0 + depth are a chain's slots p0 + 1 .. p0 + n), which the runner then
+    verifies as causal rows through vLLM's own attention."""
+    from vllm_dartree.engine.tree_inputs import is_chain
+    n = len(parents)
+    tree = torch.tensor([min(p, j - 1) for j, p in enumerate(parents)])   # parent < node
+    mask = ancestor_mask(tree[None])[0]
+    causal = torch.ones(1 + n, 1 + n, dtype=torch.bool).tril()
+    assert is_chain(tree) == torch.equal(mask, causal)
+    assert is_chain(torch.arange(-1, n - 1))
+    depths = torch.zeros(n, dtype=torch.long)
+    for j, p in enumerate(tree.tolist()):
+        depths[j] = 1 + (int(depths[p]) if p >= 0 else 0)
+    if is_chain(tree):
+        assert depths.tolist() == list(range(1, n + 1))

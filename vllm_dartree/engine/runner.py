@@ -8,7 +8,8 @@ adaptive budget's decisions in `drafting`, the budget itself in `controller`):
 2. `_prepare_inputs`: the scheduler gave each request a *prefix* of the draft tokens we
    proposed (`scheduled_spec_decode_tokens`). When it matches the stored tree, the rows
    `[root] + nodes` get positions `p0 + depth` (slots stay chain slots) and an ancestor
-   bitmask; otherwise (the scheduler's `-1` padding, a stale draft) the drafts are treated
+   bitmask (a tree that is one path keeps a chain's positions and causal mask: vLLM's own
+   attention serves it); otherwise (the scheduler's `-1` padding, a stale draft) the drafts are treated
    as a chain, which the walk rejects token by token, exactly as plain decoding would.
 3. `_build_attention_metadata`: the masks are attached to this step's attention metadata.
 4. `_sample`: the greedy or sampled tree walk (`vllm_dartree.tree.verify`) with each
@@ -43,7 +44,7 @@ from vllm_dartree.engine.drafting import DraftingMixin
 from vllm_dartree.engine.live_state import StatePublisher, state_path
 from vllm_dartree.engine.lookup_branches import LookupBranches
 from vllm_dartree.engine.settings import EngineSettings
-from vllm_dartree.engine.tree_inputs import StepTrees, StoredTree, tree_rows
+from vllm_dartree.engine.tree_inputs import StepTrees, StoredTree, is_chain, tree_rows
 from vllm_dartree.engine.tree_sampler import TreeSamplerMixin, needs_full_sampler
 
 __all__ = ["DARTreeRunnerMixin", "DARTreeWorkerMixin", "needs_full_sampler", "tree_rows"]
@@ -211,13 +212,17 @@ class DARTreeRunnerMixin(TreeSamplerMixin, CompactionMixin, DraftingMixin):
                                      None if stored.sources is None else stored.sources[:n])
                          if match else None)
         step = StepTrees(req_ids, starts, rows, p0, drafts, trees)
-        step.is_tree = [t is not None for t in trees]
+        # a tree that is a chain (each node the child of the one before) is verified as
+        # causal rows: its positions are the chain's slots and its mask the causal one, so
+        # vLLM's own attention serves it and it needs no mask (the walk still reads it)
+        step.is_tree = [t is not None and not is_chain(t.parents) for t in trees]
         step.decode_only = bool(num_reqs) and all(
             int(rows[i]) == 1 + len(drafts[i]) for i in range(num_reqs))
         plans = 0 if self._dt_budget is None else self._dt_budget.stats["steps"]
-        self._dt_timing = (int(rows.sum()), any(step.is_tree), plans,
+        self._dt_timing = (int(rows.sum()), any(t is not None for t in trees), plans,
                            int(rows.sum()) - num_reqs) if step.decode_only else None
-        inputs = tree_rows([(t.parents, t.depths) if t is not None else None for t in trees],
+        inputs = tree_rows([(t.parents, t.depths) if tree else None
+                            for t, tree in zip(trees, step.is_tree)],
                            starts, rows, p0, self.positions.device)
         if inputs is not None:
             step.tree_mask, index, positions = inputs

@@ -14,7 +14,15 @@ import torch
 
 from vllm_dartree import ops
 
-__all__ = ["StoredTree", "StepTrees", "tree_rows"]
+__all__ = ["StoredTree", "StepTrees", "tree_rows", "is_chain"]
+
+
+def is_chain(parents: torch.Tensor) -> bool:
+    """Whether a tree's nodes (parents [n], -1 = the root) form one path: node j's parent is
+    node j - 1. Such a tree's rows are a chain's: positions p0 + 1 .. p0 + n and the causal
+    mask, so it is verified as causal rows (vLLM's own attention, no mask)."""
+    n = int(parents.shape[0])
+    return bool(torch.equal(parents.cpu(), torch.arange(-1, n - 1, dtype=parents.dtype)))
 
 
 def tree_rows(trees: list[tuple[torch.Tensor, torch.Tensor] | None], starts: np.ndarray,
