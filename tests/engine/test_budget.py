@@ -713,3 +713,24 @@ def test_step_costs_find_the_knee():
         rows = 1 + nodes
         got = step + row * rows + node * nodes + tree * (nodes > 0) + h * max(0, rows - knee)
         assert got == pytest.approx(0.030 + 0.0015 * nodes, abs=1.5e-3)
+
+
+def test_trees_grow_by_doubling_from_a_fresh_budget():
+    """A fresh budget plans from priors (sure drafter scores, a row at 1/20 of a step),
+    which would verify whole 64-node trees at once; it verifies at most the exploration's
+    size (4) until a tree has been walked, then at most twice the largest tree walked."""
+    budget = TreeBudget(max_nodes=64, max_depth=16)
+    scores = np.log(np.linspace(0.99, 0.9, 64))          # a drafter sure of every node
+    depths = np.minimum(np.arange(1, 65), 16)
+    rids = ["a", "b", "c", "d"]
+    caps = []
+    for _ in range(6):
+        plan = budget.plan(rids, [True] * 4, 4)
+        caps.append(budget.node_cap)
+        assert plan.nodes.max() <= budget.node_cap
+        sizes = [budget.cut(rid, True, scores, depths, plan, i) for i, rid in enumerate(rids)]
+        assert max(sizes) <= budget.node_cap
+        for rid, n in zip(rids, sizes):
+            budget.observe_walk(rid, True, scores[:n], depths[:n], list(range(n)))
+    assert caps == [4, 4, 8, 16, 32, 64]    # new requests explore first: 2 nodes each
+    assert budget.plan(rids, [True] * 4, 4).nodes.max() > 32   # sure, accepted trees pay

@@ -189,6 +189,7 @@ class TreeBudget:
         self.explore_every = explore_every
         self.explore_nodes = tuple(min(n, max_nodes) for n in explore_nodes)
         self.explore_depth = min(max_depth, 2 * max(self.explore_nodes))
+        self._largest = 0   # the largest tree verified so far, in nodes (`node_cap`)
         self.never = os.environ.get("VLLM_DARTREE_PLAIN", "0") not in ("", "0")
         self.use_confidence = os.environ.get("VLLM_DARTREE_CONFIDENCE", "0") not in ("", "0")
         self.compete = os.environ.get("VLLM_DARTREE_COMPETE", "1") not in ("", "0")
@@ -350,6 +351,16 @@ class TreeBudget:
             sources = np.concatenate([sources, np.full(len(found[0]), LOOKUP)])
         return scores, depths, sources
 
+    @property
+    def node_cap(self) -> int:
+        """The most nodes a request may verify next: twice the largest tree verified so far
+        (at least the exploration's size), up to `max_nodes`. A fresh engine's estimates
+        are priors (the drafter's own probabilities, a row at 1/20 of a step); planned from
+        them alone, its first steps verified 64 nodes for each of four requests, 256 rows a
+        step on a CPU, before the measured costs took over. So trees grow by doubling, each
+        size planned only once a tree half as large has been timed and walked."""
+        return min(self.max_nodes, max(max(self.explore_nodes), 2 * self._largest))
+
     def _plan(self, rids, greedy, num_running, lookup=None,
               factors: np.ndarray | None = None) -> tuple[Plan, np.ndarray, bool]:
         """The plan, which requests had nothing to predict from, and whether it takes the
@@ -358,6 +369,9 @@ class TreeBudget:
         # requests that decode without a drafting candidate still cost their row
         costs = self.batch_costs(max(num_running - len(rids), 0))
         self._costs = costs
+        cap = self.node_cap
+        if cap < self.max_nodes:
+            gains, depths = gains[:, :cap + 1], depths[:, :cap + 1]
         plan = plan_budgets(gains, depths, costs)
         if self.trace is not None:   # the same cost model's plain step, for the trace alone
             self._plain_rate = throughput(gains, depths, np.zeros(len(rids), dtype=np.int64),
@@ -557,7 +571,8 @@ class TreeBudget:
         factor = 1.0 if plan.factor is None else float(plan.factor[i])
         gains, _ = self._gains(rid, greedy, scores, depths, sources, factor)
         costs = self._costs or self.batch_costs()
-        return int(cut(gains[None], costs.node_row, plan.rate, np.array([len(scores)]),
+        return int(cut(gains[None], costs.node_row, plan.rate,
+                       np.array([min(len(scores), self.node_cap)]),
                        costs.excess, costs.allowance(len(plan.nodes)))[0])
 
     # -- observations ---------------------------------------------------------------------
@@ -589,6 +604,7 @@ class TreeBudget:
             for (j, _), (pr, ob) in zip(items, results):
                 predicted[j] += pr
                 observed[j] += ob
+        self._largest = max([self._largest] + [len(t[2]) for t in trees])
         for j, (rid, greedy, scores, labels, sources) in enumerate(trees):
             self._book_walk(rid, greedy, len(scores), labels, sources, float(predicted[j]),
                             float(observed[j]))
