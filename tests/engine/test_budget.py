@@ -734,3 +734,37 @@ def test_trees_grow_by_doubling_from_a_fresh_budget():
             budget.observe_walk(rid, True, scores[:n], depths[:n], list(range(n)))
     assert caps == [4, 4, 8, 16, 32, 64]    # new requests explore first: 2 nodes each
     assert budget.plan(rids, [True] * 4, 4).nodes.max() > 32   # sure, accepted trees pay
+
+
+def test_runs_of_plain_plans_plan_every_second_then_fourth_step():
+    """After SKIP_AFTER[0] plain plans in a row only every 2nd step plans, after
+    SKIP_AFTER[1] every 4th; skipped steps count as plain steps; a plan with a tree starts
+    the count again."""
+    from vllm_dartree.engine.controller import SKIP_AFTER
+    budget = TreeBudget(max_nodes=8, max_depth=8, explore_every=10**6)   # no exploration
+    depths = np.arange(1, 9)
+    plan = budget.plan(["a"], [True], 1)                    # unknown: explores once
+    budget.cut("a", True, np.full(8, -9.0), depths, plan, 0)    # a hopeless profile
+    pattern = []
+    for _ in range(80):
+        if budget.skip(1):
+            pattern.append("s")
+        else:
+            assert not budget.plan(["a"], [True], 1).nodes.any()
+            pattern.append("p")
+    first, second = SKIP_AFTER
+    want = "p" * first + "sp" * (second - first)
+    want += "sssp" * ((80 - len(want)) // 4)
+    assert "".join(pattern) == want[:80]
+    s = budget.stats
+    assert s["skipped_plans"] == pattern.count("s")
+    assert s["steps"] == 81 and s["plain_steps"] == 80
+    # a sure drafter again: the next plan verifies a tree, and every step plans
+    while budget.skip(1):
+        pass
+    plan = budget.plan(["a"], [True], 1)
+    budget.cut("a", True, np.log(np.full(8, 0.99)), depths, plan, 0)
+    for _ in range(3):
+        budget.observe_walk("a", True, np.log(np.full(8, 0.99)), depths, list(range(8)))
+    assert budget.plan(["a"], [True], 1).nodes.any()
+    assert not budget.skip(1) and not budget.skip(1)

@@ -114,12 +114,14 @@ class DraftingMixin:
         context.flush()                         # only if too many bytes wait
         if not draft_rows:
             return out
+        budget = self._dt_budget_for(drafter)
+        if budget is not None and budget.skip(num_reqs):   # a run of plain plans: no plan
+            return out
         rids = [step.req_ids[i] for i in draft_rows]
         greedy = [self._dt_greedy(rid) for rid in rids]
         lookup = self._dt_lookup
         found = [lookup.find(rid, root) if lookup is not None else []
                  for rid, root in zip(rids, roots)]
-        budget = self._dt_budget_for(drafter)
         plan = None
         if budget is not None:   # adaptive: who drafts, and how deep (none: a plain step)
             confidence = None if step.confidence is None else [
