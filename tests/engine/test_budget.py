@@ -768,3 +768,20 @@ def test_runs_of_plain_plans_plan_every_second_then_fourth_step():
         budget.observe_walk("a", True, np.log(np.full(8, 0.99)), depths, list(range(8)))
     assert budget.plan(["a"], [True], 1).nodes.any()
     assert not budget.skip(1) and not budget.skip(1)
+
+
+def test_the_plan_prices_with_a_fresh_solve_of_the_knee_in_use():
+    """The knees not in use are judged by solves up to STALE_SOLVES observations old; the
+    one in use, which the plan reads, is always solved from the statistics as they stand."""
+    from vllm_dartree.engine.costs import STALE_SOLVES
+    gen = np.random.default_rng(5)
+    costs = StepCosts(plain_step=0.04)
+    for _ in range(120):
+        nodes = int(gen.integers(0, 30))
+        costs.observe_target(1 + nodes, int(nodes > 0), 0.030 + 0.002 * max(0, nodes - 7)
+                             + gen.normal(0, 2e-4), nodes)
+        fit = costs.target_fit
+        a, b, f, node = fit._solve()[:4]
+        assert costs.target_theta == pytest.approx([a, b, f, node - b], rel=1e-9, abs=1e-12)
+        assert all(other._since <= STALE_SOLVES + 1 for other in costs._fits.values()
+                   if other.count > 10)

@@ -46,28 +46,31 @@ class DecayedLeastSquares:
         # the current fit, so one bad second cannot make drafting look dear for minutes
         self.warmup, self.clip = warmup, clip
         self._seen = 0
-        self._theta: np.ndarray | None = None   # the fit of the statistics as they stand
+        self._theta: np.ndarray | None = None   # the last solve ...
+        self._since = 0                          # ... and the additions made since
 
-    def add(self, x, y: float) -> None:
+    def add(self, x, y: float, theta: np.ndarray | None = None) -> None:
+        """One observation; `theta`: the fit its outlier clip uses (default: the current)."""
         x = np.asarray(x, dtype=np.float64)
         self._seen += 1
         if self._seen <= self.warmup:
             return
         if self.count >= 10:
-            fit = float(x @ self.theta())
+            fit = float(x @ (self.theta() if theta is None else theta))
             if fit > 0:
                 y = min(max(float(y), fit / self.clip), fit * self.clip)
         self.xx = self.decay * self.xx + np.outer(x, x)
         self.xy = self.decay * self.xy + x * float(y)
         self.weight = self.decay * self.weight + 1.0
         self.count += 1
-        self._theta = None
+        self._since += 1
 
-    def theta(self) -> np.ndarray:
-        """The fitted coefficients (solved once per change of the statistics: the plan of a
-        step and the clip of its observation share one solve)."""
-        if self._theta is None:
-            self._theta = self._solve()
+    def theta(self, stale: int = 0) -> np.ndarray:
+        """The fitted coefficients, solved once per change of the statistics (the plan of a
+        step and the clip of its observation share one solve); `stale`: a solve up to that
+        many additions old will do."""
+        if self._theta is None or self._since > stale:
+            self._theta, self._since = self._solve(), 0
         return self._theta
 
     def _solve(self) -> np.ndarray:
@@ -93,6 +96,7 @@ class DecayedLeastSquares:
 # Where a step's rows start to cost (`StepCosts`): candidate knees K, in rows. None: no knee.
 KNEES = (None, 4, 8, 16, 32, 64)
 ERROR_DECAY = 0.98
+STALE_SOLVES = 4
 
 
 class StepCosts:
@@ -136,10 +140,14 @@ class StepCosts:
         decode rows), `tree` = 1 when it verified trees."""
         for k, fit in self._fits.items():
             x = self._features(k, rows, tree, nodes)
+            theta = None
             if fit.count >= 10:
-                error = float(np.dot(x, fit.theta())) - seconds
+                # the knees not in use are judged by a solve up to STALE_SOLVES steps old
+                # (six 4-5 parameter solves a step cost 0.5 ms in Python)
+                theta = fit.theta(0 if k == self.knee else STALE_SOLVES)
+                error = float(np.dot(x, theta)) - seconds
                 self._errors[k] = ERROR_DECAY * self._errors[k] + error * error
-            fit.add(x, seconds)
+            fit.add(x, seconds, theta)
         if any(self._errors.values()):   # the smallest error; ties to the simpler model
             self.knee = min(KNEES, key=lambda k: (self._errors[k], k is not None, k or 0))
         self._target_theta = None
