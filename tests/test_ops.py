@@ -51,8 +51,9 @@ def test_paged_attention_routes_to_the_kernel(monkeypatch):
        levels=st.integers(1, 4), nans=st.booleans(), dtype=st.sampled_from(
            [torch.float32, torch.bfloat16, torch.float64]))
 def test_argmax_is_torch_argmax_with_ties_and_nans(seed, rows, vocab, levels, nans, dtype):
-    """`ops.argmax` (vLLM's kernel or max(dim).indices on the CPU) against `argmax(dim=-1)`, whose first
-    maximum greedy decoding follows: few distinct values (ties everywhere), NaNs, -inf."""
+    """`ops.argmax` (vLLM's kernel or max(dim).indices on the CPU) against `argmax(dim=-1)`,
+    whose first maximum greedy decoding follows: few distinct values (ties everywhere), NaNs,
+    -inf."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randint(0, levels, (rows, 2, vocab), generator=gen).to(dtype)
     x[torch.rand(x.shape, generator=gen) < 0.1] = float("-inf")

@@ -9,8 +9,8 @@ adaptive budget's decisions in `drafting`, the budget itself in `controller`):
    proposed (`scheduled_spec_decode_tokens`). When it matches the stored tree, the rows
    `[root] + nodes` get positions `p0 + depth` (slots stay chain slots) and an ancestor
    bitmask (a tree that is one path keeps a chain's positions and causal mask: vLLM's own
-   attention serves it); otherwise (the scheduler's `-1` padding, a stale draft) the drafts are treated
-   as a chain, which the walk rejects token by token, exactly as plain decoding would.
+   attention serves it); otherwise (the scheduler's `-1` padding, a stale draft) the drafts
+   are treated as a chain, which the walk rejects token by token, as plain decoding would.
 3. `_build_attention_metadata`: the masks are attached to this step's attention metadata.
 4. `_sample`: the greedy or sampled tree walk (`vllm_dartree.tree.verify`) with each
    request's temperature, top-k, top-p and seed, in the rejection sampler's output format
