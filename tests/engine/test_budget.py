@@ -619,6 +619,35 @@ def test_a_stale_unsure_profile_is_blended_with_the_recent_trees():
     assert gains[0, 1:] == pytest.approx(np.cumsum(merged[:4]))
 
 
+def test_the_pool_averages_each_rank_over_the_trees_that_reach_it():
+    """A tree's size is how deep it was drafted: the pool's estimate at a rank averages the
+    recent trees that have a node there, and a rank no recent tree reaches keeps the
+    request's own estimate. (Averaged in as zeros, small trees at the start of earlier
+    requests cut a new request's first plan to their size.)"""
+    from vllm_dartree.engine.controller import PROFILE_WEIGHT
+    budget = TreeBudget(max_nodes=8, max_depth=8)
+    small, big = np.array([-0.7, -0.8]), np.array([-0.1, -0.2, -0.3, -0.4, -0.5, -0.6])
+    plan = budget.plan(["a", "b", "c"], [True] * 3, 3)
+    budget.cut("a", True, small, np.arange(1, 3), plan, 0)
+    budget.cut("b", True, small, np.arange(1, 3), plan, 1)
+    budget.cut("c", True, big, np.arange(1, 7), plan, 2)
+    p = {name: np.sort(budget.predict(None, True, s, np.arange(1, len(s) + 1)))[::-1]
+         for name, s in (("small", small), ("big", big))}
+    curve = budget._pool_curve_now(True)
+    assert curve[:2] == pytest.approx((2 * p["small"] + p["big"][:2]) / 3)
+    assert curve[2:6] == pytest.approx(p["big"][2:])      # only the big tree reaches these
+    assert np.isnan(curve[6:]).all()
+    # a request with an 8-node tree: every rank blended with the trees that reach it
+    own = np.array([-0.05, -0.1, -0.15, -0.2, -0.25, -0.3, -0.35, -0.4])
+    budget.cut("d", True, own, np.arange(1, 9), budget.plan(["d"], [True], 1), 0)
+    mine = np.sort(budget.predict("d", True, own, np.arange(1, 9)))[::-1]
+    curve = budget._pool_curve_now(True)
+    gains = budget._curves(["d"], [True])[0][0]
+    want = np.where(np.isnan(curve), mine,
+                    PROFILE_WEIGHT * mine + (1 - PROFILE_WEIGHT) * np.nan_to_num(curve))
+    assert np.diff(gains) == pytest.approx(np.sort(want)[::-1])
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31), ops=st.lists(st.sampled_from(["plan", "walk", "cut"]),
                                                  min_size=1, max_size=12))
@@ -646,7 +675,7 @@ def test_kept_curves_are_the_ones_computed_now(seed, ops):
             kept, now = budget._pool_curve(g), budget._pool_curve_now(g)
             assert (kept is None) == (now is None)
             if now is not None:
-                assert kept == pytest.approx(now, abs=1e-12)
+                assert kept == pytest.approx(now, abs=1e-12, nan_ok=True)
         # the requests' kept curves (plans without lookup nodes) against curves computed
         # now, at the ages the plan sees (past AGE_CAP plans a profile weighs < 1e-5)
         for _ in range(int(gen.integers(0, 20))):

@@ -485,13 +485,20 @@ class TreeBudget:
                 continue
             nodes, ranks = order[at], rank[at]
             weight = PROFILE_WEIGHT * 0.5 ** ages[owner[nodes]]
-            prior = np.where(ranks < len(pool), pool[np.minimum(ranks, len(pool) - 1)], 0.0)
-            out[nodes] = weight * p[nodes] + (1 - weight) * prior
+            prior = np.where(ranks < len(pool), pool[np.minimum(ranks, len(pool) - 1)], np.nan)
+            mixed = weight * p[nodes] + (1 - weight) * prior
+            out[nodes] = np.where(np.isnan(prior), p[nodes], mixed)
         return out
 
     def _pool_curve(self, greedy: bool) -> np.ndarray | None:
         """The average estimate at each best-first rank of the drafter nodes of the class's
-        last fresh trees [max_nodes], by the current calibration; None before any."""
+        last fresh trees [max_nodes], by the current calibration, over the trees that reach
+        that rank (NaN where none does; `_blend` then keeps the request's own estimate);
+        None before any tree. A tree's size says how deep it was drafted, a decision, not
+        that its deeper nodes would have been wrong: averaged in as zeros, the ramp of
+        small trees at each request's start (the growth of `_growth`) made every new
+        request start small again (with the oracle drafter, 12 nodes planned for a new
+        request where the pool's last tree had 28, all of them earning)."""
         key = (self._version, self._class)
         cached = self._pool_curves.get(greedy)
         if cached is None or cached[0] != key:
@@ -510,8 +517,10 @@ class TreeBudget:
         order = np.lexsort((-p, tree))
         rank = np.arange(len(p)) - (np.cumsum(sizes) - sizes)[tree[order]]
         keep = rank < self.max_nodes
-        return np.bincount(rank[keep], weights=p[order][keep],
-                           minlength=self.max_nodes)[:self.max_nodes] / len(trees)
+        total = np.bincount(rank[keep], weights=p[order][keep], minlength=self.max_nodes)
+        count = np.bincount(rank[keep], minlength=self.max_nodes)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(count > 0, total / count, np.nan)[:self.max_nodes]
 
     def _remember(self, rid, greedy: bool, scores: np.ndarray, depths: np.ndarray,
                   sources: np.ndarray | None) -> None:
