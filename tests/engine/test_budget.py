@@ -619,6 +619,22 @@ def test_a_stale_unsure_profile_is_blended_with_the_recent_trees():
     assert gains[0, 1:] == pytest.approx(np.cumsum(merged[:4]))
 
 
+def test_a_new_request_is_predicted_from_the_largest_recent_tree():
+    """A new request plans from the largest of the recent fresh trees, not the last one
+    (which may be another request's first, small tree); with none, it has nothing to
+    predict from."""
+    budget = TreeBudget(max_nodes=8, max_depth=8)
+    assert budget._profile_nodes("new", True, None) is None
+    plan = budget.plan(["a", "b"], [True, True], 2)
+    big, small = np.full(6, -0.1), np.full(2, -0.1)
+    budget.cut("a", True, big, np.arange(1, 7), plan, 0)
+    budget.cut("b", True, small, np.arange(1, 3), plan, 1)
+    scores, depths, _ = budget._profile_nodes("new", True, None)
+    assert len(scores) == 6 and depths.max() == 6
+    assert len(budget._profile_nodes("b", True, None)[0]) == 2    # its own tree
+    assert budget._profile_nodes("new", False, None) is None       # the other class
+
+
 def test_the_pool_averages_each_rank_over_the_trees_that_reach_it():
     """A tree's size is how deep it was drafted: the pool's estimate at a rank averages the
     recent trees that have a node there, and a rank no recent tree reaches keeps the

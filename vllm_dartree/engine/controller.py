@@ -3,7 +3,8 @@
 Per step the runner asks, before drafting, `plan(rids, greedy)`: how many nodes each
 request should verify next step and how many drafter depths that needs (0 for every
 request = a plain step: the drafter is not run at all). The prediction for a request is
-its last tree (the pool's last tree for a new request) re-scored by the current calibrator.
+its last tree (the largest recent tree for a new request) re-scored by the current
+calibrator.
 After drafting, `cut` gives each fresh tree the prefix whose nodes earn their rows at the
 planned rate. After the target's walk, `observe_walk` labels the verified nodes (the
 calibration's data) and the runner reports step and draft timings (`observe_step`,
@@ -344,7 +345,7 @@ class TreeBudget:
     def _profile_nodes(self, rid, g: bool, found):
         """(scores, depths, sources) of request rid's predicted tree, unordered; None when
         there is nothing to predict from."""
-        profile = self._profiles.get(rid) or self._pool.get(g)
+        profile = self._profiles.get(rid) or self._pool_profile(g)
         if profile is None and found is None:
             return None
         scores, depths, sources = profile if profile is not None else (
@@ -358,6 +359,19 @@ class TreeBudget:
             depths = np.concatenate([depths, found[1]])
             sources = np.concatenate([sources, np.full(len(found[0]), LOOKUP)])
         return scores, depths, sources
+
+    def _pool_profile(self, greedy: bool):
+        """A new request's predicted tree: the largest of its temperature class's recent
+        fresh trees (the latest of equals), its estimates then blended rank by rank with the
+        pool's (`_blend`). The last tree alone was whatever size its request's last plan
+        drafted: at the start of a request trees grow over a few steps (`_growth`), so a
+        new request that started from another's growing tree grew again (with the oracle
+        drafter, 12 nodes planned from a 20-node tree drafted 9 deep while the trees before
+        it had reached 32; 48 tokens are 3 of its steps)."""
+        trees = self._recent.get(greedy)
+        if not trees:
+            return self._pool.get(greedy)
+        return max(reversed(trees), key=lambda tree: len(tree[0]))
 
     @property
     def node_cap(self) -> int:
