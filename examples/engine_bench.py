@@ -9,12 +9,14 @@ concurrency level c runs the same requests with c of them in flight (a finished 
 replaced at once, as `vllm bench serve --max-concurrency c` does; at least 2c requests, the
 prompts repeated in order) and times them after a warm-up.
 Printed per method and level: output tokens/s, the ratio to plain decoding at that level,
-tau (vLLM's mean acceptance length), and the share of the wall time the dartree worker
-spent in the target's forward (`execute_model`), drafting, the tree walk and KV compaction.
+tau (vLLM's mean acceptance length, over the steps that drafted), tokens per decode step
+of a request (`tok/step`: over every step, the comparable number), and the share of the
+wall time the dartree worker spent in the target's forward (`execute_model`), drafting,
+the tree walk and KV compaction.
 `fixed-N` / `oracle-N` are those with a fixed budget N (`oracle-N`: the oracle's chain and
 distractors cut at N nodes, depth N / 2 at most). `oracle` is a drafter that knows the
-target's greedy continuation (tau = depth + 1, a fixed budget): the ceiling that tree verification reaches in this engine when the drafter
-is right; `oracle-adaptive` the same drafter under the adaptive budget.
+target's greedy continuation (tau = depth + 1, a fixed budget): the ceiling that tree
+verification reaches in this engine when the drafter is right; `oracle-adaptive` the same drafter under the adaptive budget.
 `plugin-plain` is the dartree engine with every step plain (`VLLM_DARTREE_PLAIN=1`): what
 the plugin's worker and attention cost by themselves. `ngram` is vLLM's own prompt-lookup
 speculation. `fixed` is DARTree verifying `budget` nodes every round (`adaptive: false`).
@@ -208,7 +210,7 @@ def _run_level(llm, prompts, params, c: int, spec: bool) -> dict:
     accepted = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get(
         "vllm:spec_decode_num_accepted_tokens", 0)
     return {"seconds": seconds, "tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
-            "drafts": drafts, "accepted": accepted,
+            "drafts": drafts, "accepted": accepted, "requests": len(requests),
             "stages": llm.collective_rpc("dartree_seconds")[0] if spec else {},
             "budget": _budget_delta(llm, budget_before) if spec else {},
             "outputs": answers[:len(prompts)]}
@@ -281,6 +283,16 @@ class EngineSession:
         self.log.close()
 
 
+def per_step(level: dict) -> float | None:
+    """Output tokens per decode step of a request: tau counted over every step, the steps
+    without a draft too (vLLM's tau counts only the steps that drafted: `ngram` drafts only
+    where its n-gram matches). Each request's first token comes from its prefill; the rest
+    from steps that each give one token plus the drafts they accept (vLLM may count a few
+    accepted past `max_tokens`, so this reads a little high)."""
+    steps = level["tokens"] - level["accepted"] - level["requests"]
+    return (level["tokens"] - level["requests"]) / steps if steps > 0 else None
+
+
 def run_interleaved(sessions: dict[str, EngineSession], levels: list[int],
                     repeats: int = 2) -> dict:
     """Every (method, level) `repeats` times, methods in rotating order inside each level;
@@ -295,10 +307,12 @@ def run_interleaved(sessions: dict[str, EngineSession], levels: list[int],
                 time.sleep(1.5)   # the last engine's workers stop spinning after 1 s idle
                 lv = sessions[name].run(c)
                 acc = results[name]["levels"].setdefault(
-                    str(c), {"seconds": 0.0, "tokens": 0, "drafts": 0, "accepted": 0})
-                for key in ("seconds", "tokens", "drafts", "accepted"):
+                    str(c), {"seconds": 0.0, "tokens": 0, "drafts": 0, "accepted": 0,
+                             "requests": 0})
+                for key in ("seconds", "tokens", "drafts", "accepted", "requests"):
                     acc[key] += lv[key]
                 acc["tau"] = 1 + acc["accepted"] / acc["drafts"] if acc["drafts"] else None
+                acc["per_step"] = per_step(acc)
                 acc["stages"], acc["budget"] = lv["stages"], lv["budget"]
                 acc["stage_seconds"] = lv["seconds"]
                 if results[name]["outputs"] is not None and \
@@ -407,8 +421,8 @@ def main() -> None:
           f"{len(prompts)} requests x {args.max_tokens} tokens, "
           f"tree budget {args.budget} (oracle {2 * args.depth}), width {args.width}, "
           f"top-k {args.topk}")
-    print(f"{'method':<9} {'conc':>4} {'tok/s':>8} {'vs plain':>8} {'tau':>6}  time in the "
-          "dartree worker")
+    print(f"{'method':<9} {'conc':>4} {'tok/s':>8} {'vs plain':>8} {'tau':>6} {'tok/step':>8}"
+          "  time in the dartree worker")
     for method in ["plain"] + [m for m in methods if m != "plain"]:
         for c in args.concurrency:
             lv = results[method]["levels"][str(c)]
@@ -416,10 +430,11 @@ def main() -> None:
             rate = lv["tokens"] / lv["seconds"]
             ratio = rate / (base["tokens"] / base["seconds"])
             tau = f"{lv['tau']:.2f}" if lv["tau"] else "-"
+            steps = f"{lv['per_step']:.2f}" if lv.get("per_step") else "-"
             stages = ", ".join(f"{k} {lv['stages'][k] / lv['stage_seconds']:.0%}"
                                for k in ("target", "draft", "walk", "compaction")
                                if k in lv["stages"])
-            print(f"{method:<9} {c:>4} {rate:>8.1f} {ratio:>7.2f}x {tau:>6}  {stages}")
+            print(f"{method:<9} {c:>4} {rate:>8.1f} {ratio:>7.2f}x {tau:>6} {steps:>8}  {stages}")
             if budget_line(lv):
                 print(f"{'':<14} {budget_line(lv)}")
 

@@ -1,5 +1,6 @@
 """examples/engine_bench.py runs end to end (plain + oracle, two small levels) and prints a
-table whose oracle rows reach tau = depth + 1, with vLLM's engine processes and in-process."""
+table whose oracle rows reach tau = depth + 1 (and as many tokens per step), with vLLM's
+engine processes and in-process."""
 
 import os
 import re
@@ -26,4 +27,7 @@ def test_engine_bench_runs(tmp_path, mode):
     assert [(r[0], r[1]) for r in rows] == [("plain", "1"), ("plain", "3"), ("oracle", "1"),
                                             ("oracle", "3")]
     assert all(r[4] == "5.00" for r in rows if r[0] == "oracle"), proc.stdout
+    # tokens per decode step of a request: 15 tokens after the prefill's first, in 3 steps
+    # of 5 for the oracle, 15 of 1 for plain decoding
+    assert [r[5] for r in rows] == ["1.00", "1.00", "5.00", "5.00"], proc.stdout
     assert ("(engines in-process)" in proc.stdout) == bool(mode)
