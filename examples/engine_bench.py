@@ -16,7 +16,8 @@ the tree walk and KV compaction.
 `fixed-N` / `oracle-N` are those with a fixed budget N (`oracle-N`: the oracle's chain and
 distractors cut at N nodes, depth N / 2 at most). `oracle` is a drafter that knows the
 target's greedy continuation (tau = depth + 1, a fixed budget): the ceiling that tree
-verification reaches in this engine when the drafter is right; `oracle-adaptive` the same drafter under the adaptive budget.
+verification reaches in this engine when the drafter is right; `oracle-adaptive` the same
+drafter under the adaptive budget.
 `plugin-plain` is the dartree engine with every step plain (`VLLM_DARTREE_PLAIN=1`): what
 the plugin's worker and attention cost by themselves. `ngram` is vLLM's own prompt-lookup
 speculation. `fixed` is DARTree verifying `budget` nodes every round (`adaptive: false`).
