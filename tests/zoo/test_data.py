@@ -3,7 +3,9 @@ continuation, features are the target's layer outputs, and every stage resumes."
 
 import json
 import os
+import sys
 
+import pytest
 import torch
 
 from vllm_dartree.testing import write_tiny_target
@@ -114,3 +116,40 @@ def test_bench_prompts_are_the_first_of_each_tau_table_set(tmp_path, monkeypatch
     assert path.name == "bench-prompts.jsonl"
     assert [json.loads(line)["prompt"] for line in open(path)] == [
         f"{name}/{i}" for name in DEFAULT_DATASETS for i in range(2)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_generation_child_ends_with_zoo_data(tmp_path):
+    """`run_child` (how zoo.data runs vLLM's generation): killing the parent ends the child
+    too. Before, `kill` of zoo.data left the generation running and appending responses."""
+    import signal
+    import subprocess
+    import time
+    parent = subprocess.Popen([sys.executable, "-c", "from vllm_dartree.zoo.data import "
+                               "run_child; run_child(['sleep', '120'])"])
+    child = None
+    for _ in range(300):                        # the import of torch takes a few seconds
+        found = subprocess.run(["pgrep", "-P", str(parent.pid)], capture_output=True,
+                               text=True).stdout.split()
+        if found:
+            child = int(found[0])
+            break
+        time.sleep(0.1)
+    assert child is not None, "the child never started"
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+
+    def alive(pid):
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        return state not in ("Z", "X")        # a zombie has ended; its reaper may be slow
+
+    for _ in range(100):
+        if not alive(child):
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the child outlived its parent")

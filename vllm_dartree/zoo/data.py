@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -87,11 +88,24 @@ def write_prompts(workdir: Path, count: int, source: str = "sharegpt") -> Path:
     return path
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM when the parent dies."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+
+def run_child(command: list[str]) -> None:
+    """`command` to its end (an error if it fails); on Linux it ends with this process too:
+    a `kill` of zoo.data left vLLM's generation running, and appending responses, on its
+    own."""
+    linux = sys.platform.startswith("linux")
+    subprocess.run(command, check=True, preexec_fn=_die_with_parent if linux else None)
+
+
 def generate_responses(target: Path, prompts: Path, out: Path, max_tokens: int) -> Path:
-    subprocess.run([sys.executable, "-m", "vllm_dartree.engine.generate", "--target",
-                    str(target), "--prompts", str(prompts), "--out", str(out),
-                    "--max-tokens", str(max_tokens), "--max-num-seqs", "32", "--chunk", "128"],
-                   check=True)
+    run_child([sys.executable, "-m", "vllm_dartree.engine.generate", "--target",
+               str(target), "--prompts", str(prompts), "--out", str(out),
+               "--max-tokens", str(max_tokens), "--max-num-seqs", "32", "--chunk", "128"])
     return out
 
 
