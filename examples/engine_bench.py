@@ -288,8 +288,9 @@ def per_step(level: dict) -> float | None:
     """Output tokens per decode step of a request: tau counted over every step, the steps
     without a draft too (vLLM's tau counts only the steps that drafted: `ngram` drafts only
     where its n-gram matches). Each request's first token comes from its prefill; the rest
-    from steps that each give one token plus the drafts they accept (vLLM may count a few
-    accepted past `max_tokens`, so this reads a little high)."""
+    from steps that each give one token plus the drafts they accept. vLLM counts what a
+    request's last step accepted past `max_tokens` too, so this reads a little high, and
+    where the last steps accept much (the oracle) it cannot be told: None, printed "-"."""
     steps = level["tokens"] - level["accepted"] - level["requests"]
     return (level["tokens"] - level["requests"]) / steps if steps > 0 else None
 
