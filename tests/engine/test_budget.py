@@ -335,7 +335,7 @@ def test_a_lookup_only_first_tree_leaves_the_pool_profile():
     plan = budget.plan(["b"], [True], 1, [(l_scores, l_depths)])
     budget.cut("b", True, l_scores, l_depths, plan, 0, np.full(4, LOOKUP))
     assert "b" not in budget._profiles
-    assert (budget._pool[True][2] == DRAFTER).all()
+    assert (budget._pool_profile(True)[2] == DRAFTER).all()
     nxt = budget.plan(["b"], [True], 1, [None])
     assert nxt.nodes[0] > 0 and nxt.depth > 0
 
@@ -422,9 +422,9 @@ def test_batched_curves_equal_each_request_predicted_alone(seed, r):
         return (np.sort(gen.uniform(-6, 0, m))[::-1], gen.integers(1, 7, m),
                 gen.choice([DRAFTER, LOOKUP, BOTH], m))
     for i, rid in enumerate(rids):
-        if gen.random() < 0.8:      # some requests have a last tree, the rest use the pool
-            scores, depths, sources = tree(int(gen.integers(1, 10)))
-            budget._profiles[rid] = budget._pool[bool(greedy[i])] = (scores, depths, sources)
+        if gen.random() < 0.8:      # some requests have a last tree, the rest nothing (no
+            scores, depths, sources = tree(int(gen.integers(1, 10)))   # pool: no blend here)
+            budget._profiles[rid] = (scores, depths, sources)
             for _ in range(int(gen.integers(0, 4))):
                 budget.observe_walk(rid, bool(greedy[i]), scores, depths,
                                     gen.choice(len(scores), min(len(scores),

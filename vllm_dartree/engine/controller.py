@@ -216,9 +216,8 @@ class TreeBudget:
         # last plan, which its next walk is booked to
         self._conf = {(g, b): [0.0, 0.0] for g in (True, False) for b in range(NUM_CONF_BINS)}
         self._conf_of: dict[Hashable, tuple[int, float]] = {}
-        # rid -> its last tree (scores, depths, sources); the pool's last tree per class
+        # rid -> its last tree (scores, depths, sources); a new request's: `_pool_profile`
         self._profiles: dict[Hashable, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self._pool: dict[bool, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # per temperature class: the drafter nodes (scores, depths, sources) of the last
         # POOL_TREES fresh trees (`_blend`); rid -> plans made since its last fresh tree
         self._recent: dict[bool, collections.deque] = {}
@@ -369,9 +368,7 @@ class TreeBudget:
         drafter, 12 nodes planned from a 20-node tree drafted 9 deep while the trees before
         it had reached 32; 48 tokens are 3 of its steps)."""
         trees = self._recent.get(greedy)
-        if not trees:
-            return self._pool.get(greedy)
-        return max(reversed(trees), key=lambda tree: len(tree[0]))
+        return max(reversed(trees), key=lambda tree: len(tree[0])) if trees else None
 
     @property
     def node_cap(self) -> int:
@@ -616,7 +613,7 @@ class TreeBudget:
         # every later round without a lookup match was planned plain until an exploration
         # came round, 27% of the steps at one request on the demo prompts.)
         if sources is None or bool((sources != LOOKUP).any()):
-            self._profiles[rid] = self._pool[greedy] = (scores, depths, sources)
+            self._profiles[rid] = (scores, depths, sources)
             self._remember(rid, greedy, scores, depths, sources)
         if plan.explore[i]:
             return min(len(scores), int(plan.nodes[i]))
