@@ -24,8 +24,9 @@ speculation. `fixed` is DARTree verifying `budget` nodes every round (`adaptive:
 `dartree-nolookup` is DARTree (adaptive) without lookup branches (`lookup: false`);
 `dartree-match5` trusts a lookup continuation by its n-gram order alone
 (`lookup_max_match: 5`, as before the match's full extent was measured).
-`dartree-bf16-drafter` runs the drafter in bfloat16 on a CPU with AMX (`drafter_dtype:
-auto`; the default runs it in the target's dtype), `dartree-bf16` on any CPU.
+`dartree-bf16-drafter` runs the drafter's backbone in bfloat16 on a CPU with AMX
+(`drafter_dtype: auto`, its head in the target's dtype), `dartree-bf16` the whole drafter
+on any CPU, `dartree-model-dtype` the whole drafter in the target's dtype.
 `dartree-nocompete` plans drafter nodes beside lookup branches as if they did not compete
 for the root (`VLLM_DARTREE_COMPETE=0`, how the budget planned before).
 `dartree-conf` is DARTree (the defaults) planning with the target's confidence too
@@ -56,7 +57,8 @@ KV_CACHE_BYTES = 512 << 20
 METHODS = ("plain", "dartree", "ddtree", "chain", "oracle")
 EXTRA_METHODS = ("plugin-plain", "ngram", "fixed", "oracle-adaptive", "dartree-nolookup",
                  "dartree-alt", "plain-sync", "dartree-conf", "dartree-match5",
-                 "dartree-bf16-drafter", "dartree-bf16", "dartree-nocompete")
+                 "dartree-bf16-drafter", "dartree-bf16", "dartree-model-dtype",
+                 "dartree-nocompete")
 
 
 def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
@@ -88,6 +90,8 @@ def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
         kw["speculative_config"] = {**tree, "drafter_dtype": "auto"}
     elif method == "dartree-bf16":            # bfloat16 on any CPU
         kw["speculative_config"] = {**tree, "drafter_dtype": "bfloat16"}
+    elif method == "dartree-model-dtype":     # the target's dtype
+        kw["speculative_config"] = {**tree, "drafter_dtype": "model"}
     elif method == "plain-sync":
         kw["async_scheduling"] = False
     elif method == "dartree-alt":

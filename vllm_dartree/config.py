@@ -62,10 +62,10 @@ class DARTreeConfig(BaseModel):
     drafter_dtype: Literal["model", "auto", "float32", "bfloat16", "float16"] = "model"
     """Engines only: the dtype the drafter runs in (its features, context K/V, layers and
     head; tree scores are always computed in float32, and the target is untouched, so the
-    output does not depend on it). `model`: the target's dtype. `auto`: bfloat16 on a CPU
-    with AMX (bf16 matrix units: the SmolLM2 drafter's pass 5.6 -> 3.0 ms there, but its
-    head's per-depth steps slower; no tokens/s gain measured beyond noise, run Z in
-    docs/engine.md), else the target's dtype."""
+    output does not depend on it). `model`: the target's dtype. `auto`: on a CPU with AMX
+    the backbone in bfloat16 (its matrix units) and the correction head in the target's
+    dtype (its per-depth steps of a few rows gained nothing in bf16; docs/engine.md, run
+    AP), elsewhere the target's dtype. An explicit dtype is the whole drafter's."""
 
     lookup_share: float = Field(0.5, gt=0, le=1)
     """The most nodes lookup may add to a tree, as a fraction of `budget` (rounded up)."""

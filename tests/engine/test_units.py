@@ -475,16 +475,20 @@ def test_a_field_vllm_adds_later_takes_vllms_sampler():
     assert full_sampler_fields(Later(later_feature=3)) == ["later_feature"]
 
 
+F32, BF16 = torch.float32, torch.bfloat16
+
+
 @pytest.mark.parametrize("setting,device,flags,want", [
-    ("auto", "cpu", {"avx512f", "amx_bf16", "amx_tile"}, torch.bfloat16),
-    ("auto", "cpu", {"avx2", "fma"}, torch.float32),        # no AMX: bf16 would be slower
-    ("auto", "cuda", {"amx_bf16", "amx_tile"}, torch.float32),
-    ("model", "cpu", {"amx_bf16", "amx_tile"}, torch.float32),
-    ("float32", "cpu", {"amx_bf16", "amx_tile"}, torch.float32),
-    ("bfloat16", "cpu", set(), torch.bfloat16)])
+    ("auto", "cpu", {"avx512f", "amx_bf16", "amx_tile"}, (BF16, F32)),
+    ("auto", "cpu", {"avx2", "fma"}, (F32, F32)),        # no AMX: bf16 would be slower
+    ("auto", "cuda", {"amx_bf16", "amx_tile"}, (F32, F32)),
+    ("model", "cpu", {"amx_bf16", "amx_tile"}, (F32, F32)),
+    ("float32", "cpu", {"amx_bf16", "amx_tile"}, (F32, F32)),
+    ("bfloat16", "cpu", set(), (BF16, BF16))])
 def test_drafter_dtype_follows_the_setting_and_the_cpu(setting, device, flags, want):
-    """`drafter_dtype`: `auto` is bfloat16 only on a CPU with AMX, the target's dtype
-    elsewhere; `model` and explicit dtypes are taken as they are."""
+    """`drafter_dtype` -> (backbone, head): `auto` puts the backbone in bfloat16 only on a
+    CPU with AMX and keeps the head in the target's dtype; `model` and explicit dtypes are
+    both's."""
     from vllm_dartree.engine.proposer import drafter_dtype
     assert drafter_dtype(setting, torch.float32, device, cpu_flags=flags) == want
 
@@ -514,6 +518,39 @@ def test_a_bf16_drafter_casts_the_targets_head_once(tiny):
     assert out.base_logits.dtype == torch.bfloat16
     want = out.hidden.float() @ backbone.output_weight.to(torch.bfloat16).float().T
     torch.testing.assert_close(out.base_logits.float(), want, atol=0.1, rtol=0.02)
+
+
+def test_a_bf16_backbone_feeds_an_fp32_head(tiny):
+    """`drafter_dtype: auto` on AMX: the backbone in bfloat16, the correction head in fp32.
+    The engine's drafter then builds exactly the tree that an fp32 head builds from the
+    bf16 backbone's outputs cast up by hand (the head sees no bf16 rounding of its own)."""
+    from vllm_dartree.config import DARTreeConfig
+    from vllm_dartree.drafter import TargetInfo, load_drafter
+    from vllm_dartree.engine.drafters import CheckpointTreeDrafter
+    from transformers import AutoConfig
+    text = AutoConfig.from_pretrained(tiny["target"])
+    info = TargetInfo(hidden_size=text.hidden_size, vocab_size=text.vocab_size,
+                      num_hidden_layers=text.num_hidden_layers)
+    gen = torch.Generator().manual_seed(1)
+    embed = torch.randn(text.vocab_size, text.hidden_size, generator=gen)
+    head = torch.randn(text.vocab_size, text.hidden_size, generator=gen)
+    mixed = load_drafter(tiny["drafter"], info, embed, head, dtype=torch.bfloat16,
+                         head_dtype=torch.float32)
+    assert mixed.backbone.fc.weight.dtype == torch.bfloat16
+    assert {p.dtype for p in mixed.head.parameters()} == {torch.float32}
+    engine = CheckpointTreeDrafter(DARTreeConfig(budget=12), mixed, cuda_graphs=False)
+    width = len(mixed.spec.target_layer_ids) * text.hidden_size
+    rids, roots = ["a", "b"], torch.tensor([3, 7])
+    engine.extend(rids, [[1] * 6, [2] * 4],
+                  [torch.randn(6, width, generator=gen), torch.randn(4, width, generator=gen)])
+    got = engine.draft(rids, roots, num_depths=3)
+    out = mixed.backbone(engine.cache, rids, roots, num_depths=3)
+    assert out.hidden.dtype == torch.bfloat16
+    want = engine.builder(out.base_logits.float(), out.hidden.float(), roots)[0]
+    assert int(got.num_nodes.sum()) > 2
+    for name in ("tokens", "parents", "depths", "num_nodes"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    torch.testing.assert_close(got.scores, want.scores)
 
 
 @settings(max_examples=60, deadline=None)

@@ -146,9 +146,11 @@ def check_drafter_folder(folder: str | Path, target: TargetInfo) -> DrafterSpec:
 
 
 def load_drafter(folder: str | Path, target: TargetInfo, embed_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor, dtype: torch.dtype | None = None) -> Drafter:
+                 lm_head_weight: torch.Tensor, dtype: torch.dtype | None = None,
+                 head_dtype: torch.dtype | None = None) -> Drafter:
     """Build and fill a drafter from `folder`; embed/lm_head weights are the target's, and
-    the drafter's own weights go to their device (in `dtype`, default theirs)."""
+    the drafter's own weights go to their device (in `dtype`, default theirs; the
+    correction head in `head_dtype`, default `dtype`)."""
     folder = Path(folder)
     spec = check_drafter_folder(folder, target)
     for name, w, shape in (("embed_tokens", embed_weight, (target.vocab_size, target.hidden_size)),
@@ -192,9 +194,10 @@ def load_drafter(folder: str | Path, target: TargetInfo, embed_weight: torch.Ten
         raise CheckpointError(f"{folder}: missing tensors {missing[:6]}"
                               f"{' ...' if len(missing) > 6 else ''} for a {spec.format} drafter")
     dtype = dtype or embed_weight.dtype
-    for module in (drafter.backbone, drafter.head, drafter.confidence_head):
+    for module, to in ((drafter.backbone, dtype), (drafter.head, head_dtype or dtype),
+                       (drafter.confidence_head, dtype)):
         if module is not None:   # on the target's device (its shared weights live there)
-            module.to(device=embed_weight.device, dtype=dtype).eval()
+            module.to(device=embed_weight.device, dtype=to).eval()
     drafter.backbone.set_draft_vocab(vocab_ids)
     return drafter
 
