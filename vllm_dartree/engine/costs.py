@@ -16,6 +16,15 @@ The runner times every decode step of its own engine (no table typed in per mach
 - draft: the drafter's round, against x = [1, drafted requests, drafted requests x depths
   computed] (the lm-head and the correction head run per request and depth).
 
+A step of a shape not seen before (target: its rows; draft: its requests and depths) is left
+out of the fits: it pays the matrix library's one-time setup for that shape. vLLM's CPU
+linear layers (oneDNN) cost about 0.5 ms more per layer on their first call with a new
+number of rows (1,536 x 576, fp32, one core: 0.7-1.3 ms against 0.2-0.3 ms after), so a
+SmolLM2 step with a new row count took about 70 ms more, two plain steps. Trees of new
+sizes are mostly where new row counts come from, so counted in, they made the tree-step
+coefficient read +3.4 ms at one request (run AP, docs/engine.md) and the budget kept 75% of
+the steps plain.
+
 Each is a decayed least-squares fit (the machine is shared and its speed drifts) started from
 a weak prior: a verified row costs 1/20 of a one-request step, a draft as much as 1/2 of it.
 The prior (worth 1/20 of an observation) only decides what the data cannot (a row cost
@@ -124,6 +133,9 @@ class StepCosts:
         self._target_theta: np.ndarray | None = None
         self._draft_theta: np.ndarray | None = None
         self.knee: int | None = None   # the knee in use (None: the linear model)
+        # shapes seen: a step of a new one pays one-time setup and is not observed
+        self._target_shapes: set[int] = set()
+        self._draft_shapes: set[tuple[int, int]] = set()
 
     @staticmethod
     def _features(knee: int | None, rows: int, tree: int, nodes: int) -> list[float]:
@@ -137,7 +149,11 @@ class StepCosts:
 
     def observe_target(self, rows: int, tree: int, seconds: float, nodes: int = 0) -> None:
         """A step of `rows` verified tokens, `nodes` of them tree nodes (rows - nodes
-        decode rows), `tree` = 1 when it verified trees."""
+        decode rows), `tree` = 1 when it verified trees. The first step of each row count is
+        not observed (one-time setup)."""
+        if rows not in self._target_shapes:
+            self._target_shapes.add(rows)
+            return
         for k, fit in self._fits.items():
             x = self._features(k, rows, tree, nodes)
             theta = None
@@ -153,6 +169,10 @@ class StepCosts:
         self._target_theta = None
 
     def observe_draft(self, requests: int, depths: int, seconds: float) -> None:
+        """A drafter round; the first of each (requests, depths) is not observed."""
+        if (requests, depths) not in self._draft_shapes:
+            self._draft_shapes.add((requests, depths))
+            return
         self.draft_fit.add([1.0, requests, requests * depths], seconds)
         self._draft_theta = None
 
