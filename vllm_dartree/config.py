@@ -64,8 +64,9 @@ class DARTreeConfig(BaseModel):
     head; tree scores are always computed in float32, and the target is untouched, so the
     output does not depend on it). `model`: the target's dtype. `auto`: on a CPU with AMX
     the backbone in bfloat16 (its matrix units) and the correction head in the target's
-    dtype (its per-depth steps of a few rows gained nothing in bf16; docs/engine.md, run
-    AP), elsewhere the target's dtype. An explicit dtype is the whole drafter's."""
+    dtype (its per-depth steps of a few rows gained nothing in bf16; tokens/s level with
+    `model` within noise, run AQ in docs/engine.md), elsewhere the target's dtype. An
+    explicit dtype is the whole drafter's."""
 
     lookup_share: float = Field(0.5, gt=0, le=1)
     """The most nodes lookup may add to a tree, as a fraction of `budget` (rounded up)."""
