@@ -239,9 +239,8 @@ def test_cost_fits_recover_linear_costs():
 
 
 def test_a_new_shapes_one_time_setup_stays_out_of_the_fits():
-    """The first step of each row count pays the matrix library's setup for it (on CPU
-    about two plain steps for SmolLM2), and new row counts come mostly from trees of new
-    sizes. One request, a 40 ms step, trees of 1-40 nodes at 0.2 ms a node and no tree-step
+    """The first step of each row count pays the matrix library's setup for it (oneDNN on
+    CPU), and new row counts come mostly from trees of new sizes. One request, a 40 ms step, trees of 1-40 nodes at 0.2 ms a node and no tree-step
     cost: the fits read the true costs, where observing the setup put it on the tree step.
     The first round of each (requests, depths) is left out of the draft fit alike."""
     gen = np.random.default_rng(3)

@@ -493,19 +493,27 @@ def test_drafter_dtype_follows_the_setting_and_the_cpu(setting, device, flags, w
     assert drafter_dtype(setting, torch.float32, device, cpu_flags=flags) == want
 
 
-def test_a_bf16_drafter_casts_the_targets_head_once(tiny):
-    """A drafter in bfloat16 beside an fp32 target: its output projection (the target's
-    lm_head, or its draft-vocabulary rows) is cast once and reused, and its logits equal
-    those of the fp32 head cast by hand."""
-    from vllm_dartree.drafter import ContextCache, TargetInfo, load_drafter
+def _tiny_drafter_in(tiny, seed: int, dtype, head_dtype=None):
+    """(the tiny target's config, a generator, its drafter in `dtype` / `head_dtype`) with
+    random target embedding and lm-head weights."""
+    from vllm_dartree.drafter import TargetInfo, load_drafter
     from transformers import AutoConfig
     text = AutoConfig.from_pretrained(tiny["target"])
     info = TargetInfo(hidden_size=text.hidden_size, vocab_size=text.vocab_size,
                       num_hidden_layers=text.num_hidden_layers)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     embed = torch.randn(text.vocab_size, text.hidden_size, generator=gen)
     head = torch.randn(text.vocab_size, text.hidden_size, generator=gen)
-    drafter = load_drafter(tiny["drafter"], info, embed, head, dtype=torch.bfloat16)
+    return text, gen, load_drafter(tiny["drafter"], info, embed, head, dtype=dtype,
+                                   head_dtype=head_dtype)
+
+
+def test_a_bf16_drafter_casts_the_targets_head_once(tiny):
+    """A drafter in bfloat16 beside an fp32 target: its output projection (the target's
+    lm_head, or its draft-vocabulary rows) is cast once and reused, and its logits equal
+    those of the fp32 head cast by hand."""
+    from vllm_dartree.drafter import ContextCache
+    text, gen, drafter = _tiny_drafter_in(tiny, 0, torch.bfloat16)
     backbone = drafter.backbone
     assert backbone.fc.weight.dtype == torch.bfloat16 and backbone.output_weight.dtype == torch.float32
     first = backbone._output_weight_as(torch.bfloat16)
@@ -525,17 +533,8 @@ def test_a_bf16_backbone_feeds_an_fp32_head(tiny):
     The engine's drafter then builds exactly the tree that an fp32 head builds from the
     bf16 backbone's outputs cast up by hand (the head sees no bf16 rounding of its own)."""
     from vllm_dartree.config import DARTreeConfig
-    from vllm_dartree.drafter import TargetInfo, load_drafter
     from vllm_dartree.engine.drafters import CheckpointTreeDrafter
-    from transformers import AutoConfig
-    text = AutoConfig.from_pretrained(tiny["target"])
-    info = TargetInfo(hidden_size=text.hidden_size, vocab_size=text.vocab_size,
-                      num_hidden_layers=text.num_hidden_layers)
-    gen = torch.Generator().manual_seed(1)
-    embed = torch.randn(text.vocab_size, text.hidden_size, generator=gen)
-    head = torch.randn(text.vocab_size, text.hidden_size, generator=gen)
-    mixed = load_drafter(tiny["drafter"], info, embed, head, dtype=torch.bfloat16,
-                         head_dtype=torch.float32)
+    text, gen, mixed = _tiny_drafter_in(tiny, 1, torch.bfloat16, head_dtype=torch.float32)
     assert mixed.backbone.fc.weight.dtype == torch.bfloat16
     assert {p.dtype for p in mixed.head.parameters()} == {torch.float32}
     engine = CheckpointTreeDrafter(DARTreeConfig(budget=12), mixed, cuda_graphs=False)

@@ -18,12 +18,12 @@ The runner times every decode step of its own engine (no table typed in per mach
 
 A step of a shape not seen before (target: its rows; draft: its requests and depths) is left
 out of the fits: it pays the matrix library's one-time setup for that shape. vLLM's CPU
-linear layers (oneDNN) cost about 0.5 ms more per layer on their first call with a new
-number of rows (1,536 x 576, fp32, one core: 0.7-1.3 ms against 0.2-0.3 ms after), so a
-SmolLM2 step with a new row count took about 70 ms more, two plain steps. Trees of new
-sizes are mostly where new row counts come from, so counted in, they made the tree-step
-coefficient read +3.4 ms at one request (run AP, docs/engine.md) and the budget kept 75% of
-the steps plain.
+linear layers (oneDNN) set up each new number of rows on first use (1,536 x 576, fp32, one
+core: 0.7-1.3 ms on the first call of a row count against 0.2-0.3 ms after; a second layer
+of the same weight shape paid 0.4 ms on its first call, the setup being partly shared).
+Trees of new sizes are mostly where new row counts come from, so counted in, the setup made
+the tree-step coefficient read +3.4 ms at one request (run AP, docs/engine.md) and the
+budget kept 75% of the steps plain.
 
 Each is a decayed least-squares fit (the machine is shared and its speed drifts) started from
 a weak prior: a verified row costs 1/20 of a one-request step, a draft as much as 1/2 of it.
