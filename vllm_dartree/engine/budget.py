@@ -112,11 +112,13 @@ def plan_budgets(gains: np.ndarray, depths: np.ndarray, costs: BatchCosts,
     nodes (gains[:, 0] = 0); depths: [R, B + 1] int, the depth of that prefix (0 at n = 0).
     Costing every allocation at a depth cap >= its own depth only overestimates it, and the
     optimum is costed exactly under the cap equal to its own depth: the best over caps of
-    each cap's Dinkelbach optimum is the optimum.
+    each cap's Dinkelbach optimum is the optimum. The caps' iterations run side by side,
+    one array operation for all of them (`_plan_caps`: 16 caps one after the other cost
+    0.4 ms a step in Python).
     """
     r = gains.shape[0]
     plain = np.zeros(r, dtype=np.int64)
-    best_nodes, best_rate = plain, throughput(gains, depths, plain, costs)
+    best_rate = throughput(gains, depths, plain, costs)
     if r == 0 or gains.shape[1] == 1:
         return Plan(plain, 0, best_rate)
     # Most steps are plain: when no allocation earns its cost even with drafting free and
@@ -125,22 +127,74 @@ def plan_budgets(gains: np.ndarray, depths: np.ndarray, costs: BatchCosts,
     free_draft = replace(costs, per_request=0.0, per_depth=0.0, draft=0.0)
     if not _best_for_depth(gains, depths, int(depths.max()), free_draft, best_rate).any():
         return Plan(plain, 0, best_rate)
-    # cap 0: prefixes that need no drafter depth (lookup nodes alone, no drafter pass)
-    for cap in range(0, int(depths.max()) + 1):
-        lam = best_rate
-        for _ in range(max_iters):
-            nodes = _best_for_depth(gains, depths, cap, costs, lam)
-            modelled = throughput(gains, depths, nodes, costs, depth=cap) if nodes.any() \
-                else throughput(gains, depths, nodes, costs)
-            true = throughput(gains, depths, nodes, costs)
-            if true > best_rate + 1e-12:
-                best_nodes, best_rate = nodes, true
-            if modelled <= lam * (1 + 1e-12):
-                break
-            lam = modelled
+    best_nodes, best_rate = _plan_caps(gains, depths, costs, best_rate, max_iters)
     idx = np.arange(r)
     depth = int(depths[idx, best_nodes].max()) if best_nodes.any() else 0
     return Plan(best_nodes.astype(np.int64), depth, best_rate)
+
+
+def _plan_caps(gains, depths, costs: BatchCosts, plain_rate: float, max_iters: int):
+    """Dinkelbach's iteration for every depth cap 0..D at once (cap 0: prefixes that need
+    no drafter depth, lookup nodes alone): per cap the sequence of `_best_for_depth` and
+    `throughput`, and the best allocation found in the order cap by cap, iteration by
+    iteration (ties to the first, as one cap after the other would find them)."""
+    r, width = gains.shape
+    caps = np.arange(int(depths.max()) + 1)
+    n = np.arange(width)
+    allowance = costs.allowance(r)
+    per_request = np.where(caps > 0, costs.per_request + costs.per_depth * caps, 0.0)
+    fixed = costs.tree_step + np.where(caps > 0, costs.draft, 0.0)              # [C]
+    cost = costs.node_row * n[None, :] + np.where(n[None, :] > 0, per_request[:, None], 0.0)
+    if costs.excess:
+        cost = cost + costs.excess * np.maximum(0.0, n - allowance)[None, :]
+    allowed = depths[None, :, :] <= caps[:, None, None]                            # [C, R, W]
+    lam = np.full(len(caps), plain_rate)
+    active = np.ones(len(caps), dtype=bool)
+    found = []      # (cap, iteration, true rate, nodes)
+    for it in range(max_iters):
+        value = gains[None] - lam[:, None, None] * cost[:, None, :]
+        value = np.where(allowed, value, -np.inf)
+        value[:, :, 0] = 0.0
+        best = value.argmax(axis=2)                                               # [C, R]
+        earned = np.take_along_axis(value, best[:, :, None], 2)[:, :, 0].sum(axis=1)
+        best[earned <= lam * fixed] = 0
+        modelled, true = _rates(gains, depths, best, costs, caps)
+        for c in np.flatnonzero(active):
+            found.append((int(c), it, float(true[c]), best[c]))
+            if modelled[c] <= lam[c] * (1 + 1e-12):
+                active[c] = False
+            else:
+                lam[c] = modelled[c]
+        if not active.any():
+            break
+    best_nodes, best_rate = np.zeros(r, dtype=np.int64), plain_rate
+    for _, _, true, nodes in sorted(found, key=lambda f: (f[0], f[1])):
+        if true > best_rate + 1e-12:
+            best_nodes, best_rate = nodes, true
+    return best_nodes, best_rate
+
+
+def _rates(gains, depths, nodes: np.ndarray, costs: BatchCosts, caps: np.ndarray):
+    """`throughput` of allocations nodes [C, R], costed at the drafted depth caps [C]
+    (modelled) and at their own deepest prefix (true)."""
+    r = gains.shape[0]
+    idx = np.arange(r)
+    tokens = r + gains[idx[None, :], nodes].sum(axis=1)
+    total = nodes.sum(axis=1)
+    seconds = costs.step + costs.row * r + costs.node_row * total
+    if costs.excess:
+        seconds = seconds + costs.excess * np.maximum(0.0, r + costs.other_rows + total
+                                                      - costs.knee)
+    drafted = nodes > 0
+    any_tree = drafted.any(axis=1)
+    own = depths[idx[None, :], nodes].max(axis=1)
+    count = drafted.sum(axis=1)
+
+    def with_depth(depth):
+        extra = costs.tree_step + np.where(
+            depth > 0, costs.draft + count * (costs.per_request + costs.per_depth * depth), 0.0)
+        return tokens / (seconds + np.where(any_tree, extra, 0.0))
+    return with_depth(np.where(any_tree, caps, 0)), with_depth(own)
 
 
 def cut(gains: np.ndarray, row_cost: float, rate: float, limit: np.ndarray,

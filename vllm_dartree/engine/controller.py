@@ -699,11 +699,14 @@ class TreeBudget:
                              tree=bool(tree), s=float(seconds))
         self._maybe_log()
 
-    def observe_draft(self, requests: int, depths: int, seconds: float) -> None:
-        self.costs.observe_draft(requests, depths, seconds)
+    def observe_draft(self, requests: int, depths: int, seconds: float,
+                      extended: int = 0) -> None:
+        """A drafter round of `requests` x `depths`, `seconds` with the extension of the
+        `extended` context rows that waited for it (`StepCosts.observe_draft`)."""
+        self.costs.observe_draft(requests, depths, seconds, extended)
         if self.trace is not None:
             self.trace.event("draft", requests=int(requests), depths=int(depths),
-                             s=float(seconds))
+                             s=float(seconds), extended=int(extended))
         self.stats["draft_passes"] += 1
 
     def free(self, rid: Hashable) -> None:

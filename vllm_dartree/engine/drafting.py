@@ -144,18 +144,18 @@ class DraftingMixin:
             tokens = parents = depths = torch.zeros(len(rids), 0, dtype=torch.int64)
             scores = np.zeros((len(rids), 0))
         else:
-            # the drafter sees every committed row. Extending its context is not part of the
-            # round the budget's cost model prices: a committed row costs that once whenever
-            # its request drafts next (now or later), and a request's first draft extends
-            # its whole prompt, which would make one round look like several
-            context.flush(rids)
+            # the drafter sees every committed row: the rows waiting are extended first, and
+            # timed with the round (`observe_draft`: a round that extends a prompt is not)
+            extended = sum(context.waiting(rid) for rid in rids)
             start = time.perf_counter()
+            context.flush(rids)
             # a tree of n nodes is at most n deep: a fixed budget needs no deeper drafts
             trees = self._dt_safe_draft(drafter, rids, roots, device,
                                         limit if plan is None else plan.depth)
             counts, tokens, parents, depths, scores = trees
             if budget is not None:
-                budget.observe_draft(len(rids), plan.depth, time.perf_counter() - start)
+                budget.observe_draft(len(rids), plan.depth, time.perf_counter() - start,
+                                     extended)
         for j, (i, rid) in enumerate(zip(draft_rows, rids)):
             m = int(counts[j])
             tree = (tokens[j, :m].tolist(), parents[j, :m].numpy(), depths[j, :m].numpy(),
