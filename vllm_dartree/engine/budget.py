@@ -69,21 +69,11 @@ def throughput(gains: np.ndarray, depths: np.ndarray, nodes: np.ndarray,
                costs: BatchCosts, depth: int | None = None) -> float:
     """Theta(n) for an allocation (gains, depths: [R, B + 1] prefix curves, nodes: [R]);
     `depth` overrides the drafted depth (default: the deepest chosen prefix)."""
-    r = gains.shape[0]
-    idx = np.arange(r)
-    tokens = r + gains[idx, nodes].sum()
-    seconds = costs.step + costs.row * r + costs.node_row * nodes.sum()
-    if costs.excess:
-        seconds += costs.excess * max(0.0, r + costs.other_rows + nodes.sum() - costs.knee)
-    drafted = nodes > 0
-    if drafted.any():
-        if depth is None:
-            depth = int(depths[idx, nodes].max())
-        seconds += costs.tree_step
-        if depth > 0:
-            seconds += costs.draft + drafted.sum() * (costs.per_request
-                                                      + costs.per_depth * depth)
-    return float(tokens / seconds)
+    if gains.shape[0] == 0:      # no request: no tokens
+        return 0.0
+    nodes = np.asarray(nodes)[None, :]
+    at_cap, own = _rates(gains, depths, nodes, costs, np.array([depth or 0]))
+    return float(own[0] if depth is None else at_cap[0])
 
 
 def _best_for_depth(gains, depths, depth: int, costs: BatchCosts, lam: float) -> np.ndarray:
@@ -175,8 +165,9 @@ def _plan_caps(gains, depths, costs: BatchCosts, plain_rate: float, max_iters: i
 
 
 def _rates(gains, depths, nodes: np.ndarray, costs: BatchCosts, caps: np.ndarray):
-    """`throughput` of allocations nodes [C, R], costed at the drafted depth caps [C]
-    (modelled) and at their own deepest prefix (true)."""
+    """Theta of allocations nodes [C, R] (`throughput`), costed at the drafted depth caps
+    [C] (modelled) and at their own deepest prefix (true); an allocation without nodes
+    pays no tree costs."""
     r = gains.shape[0]
     idx = np.arange(r)
     tokens = r + gains[idx[None, :], nodes].sum(axis=1)
