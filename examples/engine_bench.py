@@ -192,9 +192,10 @@ def generate_in_flight(llm, prompts, params, c: int) -> list:
     return outputs
 
 
-def _run_level(llm, prompts, params, c: int, spec: bool) -> dict:
+def _run_level(llm, prompts, params, c: int, spec: bool, strict: bool = True) -> dict:
     """Run the prompts with c in flight, timed; the level's tokens/s inputs, tau and
-    counters."""
+    counters. `strict`: a repeated prompt must answer as it did (fp32; in bf16 a step's
+    numerics depend on its batch, plain decoding's too, so differences are counted)."""
     before = _counters(llm)
     budget_before = llm.collective_rpc("dartree_budget")[0] if spec else {}
     if spec:
@@ -206,9 +207,13 @@ def _run_level(llm, prompts, params, c: int, spec: bool) -> dict:
     outputs = generate_in_flight(llm, requests, params, c)
     seconds = time.perf_counter() - start
     answers = [list(o.outputs[0].token_ids) for o in outputs]
+    differ = 0
     for i in range(len(prompts), len(requests)):
         if answers[i] != answers[i % len(prompts)]:
-            raise SystemExit(f"prompt {i % len(prompts)}: a repeat answered differently: a bug")
+            if strict:
+                raise SystemExit(f"prompt {i % len(prompts)}: a repeat answered differently: "
+                                 "a bug")
+            differ += 1
     after = _counters(llm)
     drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get(
         "vllm:spec_decode_num_drafts", 0)
@@ -218,7 +223,7 @@ def _run_level(llm, prompts, params, c: int, spec: bool) -> dict:
             "drafts": drafts, "accepted": accepted, "requests": len(requests),
             "stages": llm.collective_rpc("dartree_seconds")[0] if spec else {},
             "budget": _budget_delta(llm, budget_before) if spec else {},
-            "outputs": answers[:len(prompts)]}
+            "outputs": answers[:len(prompts)], "repeats_differ": differ}
 
 
 def serve(job_path: str) -> None:
@@ -242,7 +247,8 @@ def serve(job_path: str) -> None:
         if "max_tokens" in command:
             level_params = SamplingParams(max_tokens=int(command["max_tokens"]),
                                           temperature=0.0, ignore_eos=params.ignore_eos)
-        level = _run_level(llm, prompts, level_params, int(command["concurrency"]), spec)
+        level = _run_level(llm, prompts, level_params, int(command["concurrency"]), spec,
+                           strict=job["engine"].get("dtype") == "float32")
         print(PROTOCOL + json.dumps(level), flush=True)
 
 
@@ -300,12 +306,12 @@ def per_step(level: dict) -> float | None:
 
 
 def run_interleaved(sessions: dict[str, EngineSession], levels: list[int],
-                    repeats: int = 2) -> dict:
+                    repeats: int = 2, strict: bool = True) -> dict:
     """Every (method, level) `repeats` times, methods in rotating order inside each level;
     per method and level the summed tokens and seconds, tau, the stages and budget counters
     of the last repeat, and the outputs (checked identical across repeats)."""
     names = list(sessions)
-    results = {n: {"levels": {}, "outputs": None} for n in names}
+    results = {n: {"levels": {}, "outputs": {}} for n in names}
     for rep in range(repeats):
         for c in levels:
             order = names[rep % len(names):] + names[:rep % len(names)]
@@ -321,10 +327,13 @@ def run_interleaved(sessions: dict[str, EngineSession], levels: list[int],
                 acc["per_step"] = per_step(acc)
                 acc["stages"], acc["budget"] = lv["stages"], lv["budget"]
                 acc["stage_seconds"] = lv["seconds"]
-                if results[name]["outputs"] is not None and \
-                        results[name]["outputs"] != lv["outputs"]:
+                # per level: in bf16 (not batch-invariant) plain decoding's own outputs
+                # depend on the batch, so only the repeats of one level must agree
+                seen = results[name]["outputs"].setdefault(str(c), lv["outputs"])
+                if seen != lv["outputs"] and strict:
                     raise SystemExit(f"[{name}] outputs changed between runs: a bug")
-                results[name]["outputs"] = lv["outputs"]
+                acc["repeats_differ"] = acc.get("repeats_differ", 0) + lv.get(
+                    "repeats_differ", 0) + sum(a != b for a, b in zip(seen, lv["outputs"]))
             print(f"  repeat {rep + 1}/{repeats}, concurrency {c}: done", flush=True)
     return results
 
@@ -416,13 +425,22 @@ def main() -> None:
                        **({"VLLM_DARTREE_CONFIDENCE": "1"} if m == "dartree-conf" else {}),
                        **({"VLLM_DARTREE_COMPETE": "0"} if m == "dartree-nocompete" else {})}
                 sessions[m] = EngineSession(m, job(m), workdir, env)
-        results = run_interleaved(sessions, args.concurrency, args.repeats)
+        results = run_interleaved(sessions, args.concurrency, args.repeats,
+                                  strict=args.dtype == "float32")
     finally:
         for session in sessions.values():
             session.close()
     for m in methods:
-        if results[m]["outputs"] != results["plain"]["outputs"]:
-            print(f"WARNING: {m}'s outputs differ from plain decoding's", flush=True)
+        for c in args.concurrency:
+            ours, base = results[m]["outputs"][str(c)], results["plain"]["outputs"][str(c)]
+            differ = sum(a != b for a, b in zip(ours, base))
+            if differ:
+                print(f"WARNING: {m}'s outputs differ from plain decoding's at concurrency "
+                      f"{c} in {differ} of {len(base)} requests", flush=True)
+            if results[m]["levels"][str(c)].get("repeats_differ"):
+                print(f"note: {m} at concurrency {c}: "
+                      f"{results[m]['levels'][str(c)]['repeats_differ']} repeated prompts "
+                      f"answered differently ({args.dtype} is not batch-invariant)", flush=True)
     print(f"\nvLLM {args.dtype} on CPU{' (engines in-process)' if args.in_process else ''}, "
           f"{len(prompts)} requests x {args.max_tokens} tokens, "
           f"tree budget {args.budget} (oracle {2 * args.depth}), width {args.width}, "

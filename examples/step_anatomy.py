@@ -105,6 +105,7 @@ def main() -> None:
                         help="prompt sets, as engine_bench's (code-edit,summary: the repetitive set)")
     parser.add_argument("--per-dataset", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--dtype", default="float32", help="the target's dtype")
     parser.add_argument("--max-rows", type=int, default=80,
                         help="iterations with more scheduled tokens count as prefills")
     args = parser.parse_args()
@@ -119,7 +120,7 @@ def main() -> None:
     from vllm_dartree.zoo.shipped import smollm2_pair
     bench = argparse.Namespace(smollm2=True, datasets=args.datasets,
                                per_dataset=args.per_dataset, prompts=None, budget=64, width=12,
-                               topk=64, depth=8, dtype="float32", concurrency=[16], ngram_k=4,
+                               topk=64, depth=8, dtype=args.dtype, concurrency=[16], ngram_k=4,
                                alt_drafter=None, in_process=True)
     bench.target, bench.drafter = smollm2_pair()
     prompts = [{"prompt_token_ids": p} for p in engine_bench._prompts(bench)]
