@@ -142,7 +142,9 @@ def budget_line(level: dict) -> str:
             f"{1e3 * b.get('cost_node_s', 0.0):+.1f}, a tree step "
             f"+{1e3 * b.get('cost_tree_step_s', 0.0):.1f}"
             + (f", {1e3 * b['cost_excess_row_s']:+.1f} a row past {b['cost_knee_rows']:.0f}"
-               if b.get("cost_knee_rows", -1) >= 0 else "") + "), "
+               if b.get("cost_knee_rows", -1) >= 0 else "")
+            + (f", a new row count +{1e3 * b['cost_new_rows_s']:.1f} once"
+               if "cost_new_rows_s" in b else "") + "), "
             f"step {1e3 * b['cost_step_s']:.1f} ms, draft "
             f"{1e3 * b['cost_draft_s']:.1f} + {1e3 * b['cost_draft_request_s']:.1f}/req + "
             f"{1e3 * b['cost_draft_depth_s']:.2f}/req/depth ms" + (

@@ -324,11 +324,12 @@ def test_draft_rounds_are_priced_with_their_context_extension():
     assert prompt_only.draft_fit.count == 0
 
 
-def test_a_new_shapes_one_time_setup_stays_out_of_the_fits():
+def test_a_new_shapes_one_time_setup_is_fitted_apart():
     """The first step of each row count pays the matrix library's setup for it (oneDNN on
-    CPU), and new row counts come mostly from trees of new sizes. One request, a 40 ms step, trees of 1-40 nodes at 0.2 ms a node and no tree-step
-    cost: the fits read the true costs, where observing the setup put it on the tree step.
-    The first round of each (requests, depths) is left out of the draft fit alike."""
+    CPU), and new row counts come mostly from trees of new sizes. One request, a 40 ms step,
+    trees of 1-40 nodes at 0.2 ms a node and no tree-step cost: the fits read the true
+    costs and the setup on its own feature, where observing the setup as an ordinary step
+    put it on the tree step. The first round of each (requests, depths) alike."""
     gen = np.random.default_rng(3)
     costs, seen, draws = StepCosts(plain_step=0.04), set(), set()
     for _ in range(400):
@@ -347,6 +348,33 @@ def test_a_new_shapes_one_time_setup_stays_out_of_the_fits():
     assert row + node == pytest.approx(0.0002, abs=1e-4)
     assert sum(costs.draft_theta[:2]) == pytest.approx(0.003, abs=5e-4)
     assert costs.draft_theta[2] == pytest.approx(0.0004, abs=1e-4)
+    target_setup, draft_setup = costs.setup
+    assert target_setup == pytest.approx(0.07, abs=5e-3)
+    assert draft_setup == pytest.approx(0.05, abs=5e-3)
+
+
+def test_trees_of_a_row_count_each_still_teach_the_fit_what_rows_cost():
+    """16 requests whose tree steps each have a row count of their own (16 + 20..200
+    nodes, as 16 requests' trees of 5-10 nodes give), the steps before them plain or at one
+    request: a node costs 0.5 ms here, and a step of a new row count 3 ms more once. Left
+    out as new shapes, these steps never reached the fit, which kept the one-request slope
+    (0.05 ms a node) and priced a 150-node step at a quarter of its cost."""
+    gen = np.random.default_rng(11)
+    costs = StepCosts(plain_step=0.03)
+    for _ in range(200):      # one request: small trees, cheap rows (memory-bound)
+        nodes = int(gen.integers(0, 8))
+        costs.observe_target(1 + nodes, int(nodes > 0), 0.030 + 0.00005 * nodes
+                             + gen.normal(0, 2e-4), nodes)
+    big = gen.permutation(np.arange(20, 201))[:60]
+    for nodes in big:         # 16 requests: plain steps, and trees of new sizes
+        for _ in range(3):
+            costs.observe_target(16, 0, 0.045 + gen.normal(0, 3e-4), 0)
+        costs.observe_target(16 + int(nodes), 1, 0.045 + 0.0005 * nodes + 0.003
+                             + gen.normal(0, 3e-4), int(nodes))
+    step, row, tree, node = costs.target_theta
+    h, knee = costs.hinge
+    predicted = step + row * 166 + node * 150 + tree + h * max(0, 166 - knee)
+    assert predicted == pytest.approx(0.045 + 0.0005 * 150, rel=0.1)
 
 
 def _walk_round(budget, rids, accept: bool):

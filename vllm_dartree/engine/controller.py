@@ -733,6 +733,7 @@ class TreeBudget:
                "cost_step_s": a, "cost_row_s": b, "cost_tree_step_s": f, "cost_node_s": g,
                "cost_draft_s": c, "cost_draft_request_s": d, "cost_draft_depth_s": e,
                "cost_excess_row_s": self.costs.hinge[0],
+               "cost_new_rows_s": self.costs.setup[0], "cost_new_draft_s": self.costs.setup[1],
                "cost_knee_rows": -1 if self.costs.knee is None else self.costs.knee}
         # plain Python numbers: the RPC's serialiser takes no numpy scalars
         return {k: v if isinstance(v, int) else float(v) for k, v in out.items()}

@@ -19,14 +19,21 @@ The runner times every decode step of its own engine (no table typed in per mach
   one-request round's 5 ms on a 2-core CPU, 1.4 ms a step at 16 requests), which no fit
   counted before: a request that drafts pays it, one that stays plain does not.
 
-A step of a shape not seen before (target: its rows; draft: its requests and depths) is left
-out of the fits: it pays the matrix library's one-time setup for that shape. vLLM's CPU
-linear layers (oneDNN) set up each new number of rows on first use (1,536 x 576, fp32, one
-core: 0.7-1.3 ms on the first call of a row count against 0.2-0.3 ms after; a second layer
-of the same weight shape paid 0.4 ms on its first call, the setup being partly shared).
-Trees of new sizes are mostly where new row counts come from, so counted in, the setup made
-the tree-step coefficient read +3.4 ms at one request (run AP, docs/engine.md) and the
-budget kept 75% of the steps plain.
+A step of a shape not seen before (target: its rows; draft: its requests and depths) pays
+the matrix library's one-time setup for that shape. vLLM's CPU linear layers (oneDNN) set up
+each new number of rows on first use (1,536 x 576, fp32, one core: 0.7-1.3 ms on the first
+call of a row count against 0.2-0.3 ms after; the 120 linear layers of SmolLM2 together
+about 8 ms in fp32 and 2-4 ms in bf16 on an AMX Xeon). Trees of new sizes are mostly where
+new row counts come from. Counted as ordinary steps, the setup made the tree-step
+coefficient read +3.4 ms at one request (run AP, docs/engine.md) and the budget kept 75% of
+the steps plain. Left out of the fits (as they once were), the steps that showed what
+large trees cost were never seen: at 16 requests in bf16 nearly every tree step had a row
+count of its own (16 requests with 5-10 nodes each: 94, 101, 134, 156, ... rows), so the
+fit kept the slope it had learnt at one or two requests and planned 16-request trees at
+1.4x plain decoding's rate that realized 0.96x (DARTree 0.78x plain at 16 requests). So
+each fit has a feature for it: 1 on a shape's first step, 0 after. The setup is fitted
+apart from the rows, which every step counts, and the plan prices a step as a seen shape
+(a setup is paid once per shape and engine).
 
 Each is a decayed least-squares fit (the machine is shared and its speed drifts) started from
 a weak prior: a verified row costs 1/20 of a one-request step, a draft as much as 1/2 of it.
@@ -129,23 +136,24 @@ class StepCosts:
 
     def __init__(self, plain_step: float = 0.05):
         # prior: a plain one-request step of `plain_step` s, a row 1/20 of it (a tree node
-        # as much as a decode row until measured otherwise), no hinge, a draft 1/2
-        base = [plain_step, plain_step / 20, plain_step / 20, 0.0]
+        # as much as a decode row until measured otherwise), no setup, no hinge, a draft 1/2
+        base = [plain_step, plain_step / 20, plain_step / 20, 0.0, 0.0]
         self._fits = {k: DecayedLeastSquares(np.array(base if k is None else base + [0.0]))
                       for k in KNEES}
         self._errors = {k: 0.0 for k in KNEES}
         self.draft_fit = DecayedLeastSquares(np.array([plain_step / 4, plain_step / 8,
-                                                       plain_step / 64]))
+                                                       plain_step / 64, 0.0]))
         self._target_theta: np.ndarray | None = None
         self._draft_theta: np.ndarray | None = None
         self.knee: int | None = None   # the knee in use (None: the linear model)
-        # shapes seen: a step of a new one pays one-time setup and is not observed
+        # shapes seen: a step of a new one pays one-time setup (its own feature)
         self._target_shapes: set[int] = set()
         self._draft_shapes: set[tuple[int, int]] = set()
 
     @staticmethod
-    def _features(knee: int | None, rows: int, tree: int, nodes: int) -> list[float]:
-        x = [1.0, rows - nodes, tree, nodes]
+    def _features(knee: int | None, rows: int, tree: int, nodes: int,
+                  new: bool = False) -> list[float]:
+        x = [1.0, rows - nodes, tree, nodes, float(new)]
         return x if knee is None else x + [max(0.0, rows - knee)]
 
     @property
@@ -155,13 +163,12 @@ class StepCosts:
 
     def observe_target(self, rows: int, tree: int, seconds: float, nodes: int = 0) -> None:
         """A step of `rows` verified tokens, `nodes` of them tree nodes (rows - nodes
-        decode rows), `tree` = 1 when it verified trees. The first step of each row count is
-        not observed (one-time setup)."""
-        if rows not in self._target_shapes:
-            self._target_shapes.add(rows)
-            return
+        decode rows), `tree` = 1 when it verified trees. The first step of each row count
+        counts its one-time setup apart (`new`)."""
+        new = rows not in self._target_shapes
+        self._target_shapes.add(rows)
         for k, fit in self._fits.items():
-            x = self._features(k, rows, tree, nodes)
+            x = self._features(k, rows, tree, nodes, new)
             theta = None
             if fit.count >= 10:
                 # the knees not in use are judged by a solve up to STALE_SOLVES steps old
@@ -180,14 +187,13 @@ class StepCosts:
         rows that waited for it (the rows each request committed since its last round: a
         round costs that whenever it is run, and the target's step does not time it). A
         round that extends more than `STEADY_ROWS` rows a request (a new request's prompt,
-        paid once whenever it first drafts) is not observed, nor is the first of each
-        (requests, depths)."""
+        paid once whenever it first drafts) is not observed; the first of each (requests,
+        depths) counts its one-time setup apart."""
         if extended > STEADY_ROWS * requests:
             return
-        if (requests, depths) not in self._draft_shapes:
-            self._draft_shapes.add((requests, depths))
-            return
-        self.draft_fit.add([1.0, requests, requests * depths], seconds)
+        new = (requests, depths) not in self._draft_shapes
+        self._draft_shapes.add((requests, depths))
+        self.draft_fit.add([1.0, requests, requests * depths, float(new)], seconds)
         self._draft_theta = None
 
     @property
@@ -206,11 +212,17 @@ class StepCosts:
         knee = self.knee
         if knee is None:
             return 0.0, float("inf")
-        return float(self.target_fit.theta()[4]), float(knee)
+        return float(self.target_fit.theta()[5]), float(knee)
+
+    @property
+    def setup(self) -> tuple[float, float]:
+        """(seconds a target step of a new row count pays once, a draft round of a new
+        (requests, depths) once): the one-time setup the fits keep apart."""
+        return float(self.target_fit.theta()[4]), float(self.draft_fit.theta()[3])
 
     @property
     def draft_theta(self) -> np.ndarray:
         """(seconds per round, per drafted request, per drafted request and depth)."""
         if self._draft_theta is None:
-            self._draft_theta = self.draft_fit.theta()
+            self._draft_theta = self.draft_fit.theta()[:3]
         return self._draft_theta
