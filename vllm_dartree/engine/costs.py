@@ -26,14 +26,21 @@ call of a row count against 0.2-0.3 ms after; the 120 linear layers of SmolLM2 t
 about 8 ms in fp32 and 2-4 ms in bf16 on an AMX Xeon). Trees of new sizes are mostly where
 new row counts come from. Counted as ordinary steps, the setup made the tree-step
 coefficient read +3.4 ms at one request (run AP, docs/engine.md) and the budget kept 75% of
-the steps plain. Left out of the fits (as they once were), the steps that showed what
-large trees cost were never seen: at 16 requests in bf16 nearly every tree step had a row
-count of its own (16 requests with 5-10 nodes each: 94, 101, 134, 156, ... rows), so the
-fit kept the slope it had learnt at one or two requests and planned 16-request trees at
-1.4x plain decoding's rate that realized 0.96x (DARTree 0.78x plain at 16 requests). So
-each fit has a feature for it: 1 on a shape's first step, 0 after. The setup is fitted
-apart from the rows, which every step counts, and the plan prices a step as a seen shape
-(a setup is paid once per shape and engine).
+the steps plain. Left out of the fits (as they once were), the steps that showed what large
+trees cost were never seen: at 16 requests in bf16 nearly every tree step had a row count of
+its own (16 requests with 5-10 nodes each: 94, 101, 134, 156, ... rows), so the fit kept
+the slope it had learnt at one or two requests and planned 16-request trees at 1.4x plain
+decoding's rate that realized 0.96x (DARTree 0.78x plain at 16 requests). A feature of its
+own for a shape's first step was tried next: at one request, where new row counts come
+almost only from tree steps, it traded places with the tree-step cost from one engine to
+the next (+9.8 ms a tree step and no setup in one, +0.1 and +12 ms in the other, the same
+run), and the plan's share of plain steps with it (66% against 20%). So the setup is
+measured apart, from pairs (`SetupEstimate`): a shape's first step's seconds less its
+second step's (less the fit's price of any difference in their work). A shape's first step
+joins the fits less that setup, once `SETUP_PAIRS` pairs have told it, and as it came before
+that (the few steps until then overstate their shapes' cost by the setup, and the fit's
+decay forgets them). The plan prices a step as a seen shape (a setup is paid once per shape
+and engine).
 
 Each is a decayed least-squares fit (the machine is shared and its speed drifts) started from
 a weak prior: a verified row costs 1/20 of a one-request step, a draft as much as 1/2 of it.
@@ -45,7 +52,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["DecayedLeastSquares", "StepCosts"]
+__all__ = ["DecayedLeastSquares", "SetupEstimate", "StepCosts"]
 
 
 class DecayedLeastSquares:
@@ -112,6 +119,44 @@ class DecayedLeastSquares:
         return theta
 
 
+SETUP_DECAY = 0.9   # per pair: the setup follows the last ~10 shapes seen twice
+SETUP_PAIRS = 3     # pairs before a shape's first step joins the fits (less the setup)
+
+
+class SetupEstimate:
+    """The one-time setup of a new shape, from pairs: a shape's first step's seconds less
+    its second's, less what the fit says their difference in work costs (nothing when they
+    did the same work: at one request a row count is one tree size). Unlike a residual
+    under the fit, this needs no fit yet, and the fit's own error for the shape cancels."""
+
+    def __init__(self):
+        self._first: dict = {}     # shape -> (features, seconds) of its first step
+        self._sum = self._weight = 0.0
+        self.pairs = 0
+
+    def first(self, shape, x, seconds: float) -> None:
+        self._first[shape] = (np.asarray(x, dtype=np.float64), seconds)
+
+    def again(self, shape, x, seconds: float, theta: np.ndarray | None) -> None:
+        first = self._first.pop(shape, None)
+        if first is None:
+            return
+        dx = first[0] - np.asarray(x, dtype=np.float64)
+        if dx.any() and theta is None:
+            return                 # different work and no fit to price it with yet
+        diff = first[1] - seconds - (float(dx @ theta) if dx.any() else 0.0)
+        self._sum = SETUP_DECAY * self._sum + diff
+        self._weight = SETUP_DECAY * self._weight + 1.0
+        self.pairs += 1
+
+    @property
+    def seconds(self) -> float | None:
+        """The setup (at least 0); None before `SETUP_PAIRS` pairs."""
+        if self.pairs < SETUP_PAIRS:
+            return None
+        return max(0.0, self._sum / self._weight)
+
+
 # Where a step's rows start to cost (`StepCosts`): candidate knees K, in rows. None: no knee.
 KNEES = (None, 4, 8, 16, 32, 64)
 ERROR_DECAY = 0.98
@@ -136,24 +181,24 @@ class StepCosts:
 
     def __init__(self, plain_step: float = 0.05):
         # prior: a plain one-request step of `plain_step` s, a row 1/20 of it (a tree node
-        # as much as a decode row until measured otherwise), no setup, no hinge, a draft 1/2
-        base = [plain_step, plain_step / 20, plain_step / 20, 0.0, 0.0]
+        # as much as a decode row until measured otherwise), no hinge, a draft 1/2
+        base = [plain_step, plain_step / 20, plain_step / 20, 0.0]
         self._fits = {k: DecayedLeastSquares(np.array(base if k is None else base + [0.0]))
                       for k in KNEES}
         self._errors = {k: 0.0 for k in KNEES}
         self.draft_fit = DecayedLeastSquares(np.array([plain_step / 4, plain_step / 8,
-                                                       plain_step / 64, 0.0]))
+                                                       plain_step / 64]))
         self._target_theta: np.ndarray | None = None
         self._draft_theta: np.ndarray | None = None
         self.knee: int | None = None   # the knee in use (None: the linear model)
-        # shapes seen: a step of a new one pays one-time setup (its own feature)
+        # shapes seen: a step of a new one pays one-time setup (`SetupEstimate`)
         self._target_shapes: set[int] = set()
         self._draft_shapes: set[tuple[int, int]] = set()
+        self.target_setup, self.draft_setup = SetupEstimate(), SetupEstimate()
 
     @staticmethod
-    def _features(knee: int | None, rows: int, tree: int, nodes: int,
-                  new: bool = False) -> list[float]:
-        x = [1.0, rows - nodes, tree, nodes, float(new)]
+    def _features(knee: int | None, rows: int, tree: int, nodes: int) -> list[float]:
+        x = [1.0, rows - nodes, tree, nodes]
         return x if knee is None else x + [max(0.0, rows - knee)]
 
     @property
@@ -164,11 +209,15 @@ class StepCosts:
     def observe_target(self, rows: int, tree: int, seconds: float, nodes: int = 0) -> None:
         """A step of `rows` verified tokens, `nodes` of them tree nodes (rows - nodes
         decode rows), `tree` = 1 when it verified trees. The first step of each row count
-        counts its one-time setup apart (`new`)."""
+        is observed less its one-time setup (`SetupEstimate`) once that is known."""
         new = rows not in self._target_shapes
         self._target_shapes.add(rows)
+        # a pair's two steps have the same rows, so the hinge's feature is the same in both
+        seconds = self._less_setup(self.target_setup, self.target_fit,
+                                   self._features(None, rows, tree, nodes), rows, new,
+                                   seconds)
         for k, fit in self._fits.items():
-            x = self._features(k, rows, tree, nodes, new)
+            x = self._features(k, rows, tree, nodes)
             theta = None
             if fit.count >= 10:
                 # the knees not in use are judged by a solve up to STALE_SOLVES steps old
@@ -188,13 +237,29 @@ class StepCosts:
         round costs that whenever it is run, and the target's step does not time it). A
         round that extends more than `STEADY_ROWS` rows a request (a new request's prompt,
         paid once whenever it first drafts) is not observed; the first of each (requests,
-        depths) counts its one-time setup apart."""
+        depths) is observed less its one-time setup once that is known."""
         if extended > STEADY_ROWS * requests:
             return
-        new = (requests, depths) not in self._draft_shapes
-        self._draft_shapes.add((requests, depths))
-        self.draft_fit.add([1.0, requests, requests * depths, float(new)], seconds)
+        shape = (requests, depths)
+        new = shape not in self._draft_shapes
+        self._draft_shapes.add(shape)
+        x = [1.0, requests, requests * depths]
+        seconds = self._less_setup(self.draft_setup, self.draft_fit, x, shape, new, seconds)
+        self.draft_fit.add(x, seconds)
         self._draft_theta = None
+
+    @staticmethod
+    def _less_setup(setup: SetupEstimate, fit: DecayedLeastSquares, x, shape, new: bool,
+                    seconds: float) -> float:
+        """A step's seconds for the fit: its first of a shape less the setup once that is
+        known (before, as it came: the early steps that show what large trees cost must
+        reach the fit); the pairs of first and second steps feed the setup's estimate."""
+        if new:
+            setup.first(shape, x, seconds)
+        else:
+            setup.again(shape, x, seconds, fit.theta()[:len(x)] if fit.count >= 10 else None)
+        known = setup.seconds if new else None
+        return seconds if known is None else seconds - known
 
     @property
     def target_theta(self) -> np.ndarray:
@@ -212,17 +277,17 @@ class StepCosts:
         knee = self.knee
         if knee is None:
             return 0.0, float("inf")
-        return float(self.target_fit.theta()[5]), float(knee)
+        return float(self.target_fit.theta()[4]), float(knee)
 
     @property
     def setup(self) -> tuple[float, float]:
         """(seconds a target step of a new row count pays once, a draft round of a new
-        (requests, depths) once): the one-time setup the fits keep apart."""
-        return float(self.target_fit.theta()[4]), float(self.draft_fit.theta()[3])
+        (requests, depths) once): the estimates of `SetupEstimate` (0 while unknown)."""
+        return (self.target_setup.seconds or 0.0, self.draft_setup.seconds or 0.0)
 
     @property
     def draft_theta(self) -> np.ndarray:
         """(seconds per round, per drafted request, per drafted request and depth)."""
         if self._draft_theta is None:
-            self._draft_theta = self.draft_fit.theta()[:3]
+            self._draft_theta = self.draft_fit.theta()
         return self._draft_theta
