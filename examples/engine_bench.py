@@ -61,6 +61,19 @@ EXTRA_METHODS = ("plugin-plain", "ngram", "fixed", "oracle-adaptive", "dartree-n
                  "dartree-nocompete")
 
 
+def smollm2_args(datasets: str, per_dataset: int, dtype: str = "float32",
+                 concurrency: int = 16) -> argparse.Namespace:
+    """This script's options for SmolLM2 and the shipped drafter with the README's tree
+    settings, in one process: what the other examples build engines and prompts from."""
+    from vllm_dartree.zoo.shipped import smollm2_pair
+    args = argparse.Namespace(smollm2=True, datasets=datasets, per_dataset=per_dataset,
+                              prompts=None, budget=64, width=12, topk=64, depth=8, dtype=dtype,
+                              concurrency=[concurrency], ngram_k=4, alt_drafter=None,
+                              in_process=True)
+    args.target, args.drafter = smollm2_pair()
+    return args
+
+
 def _engine_kwargs(args, method: str, oracle_file: str | None) -> dict:
     """vLLM kwargs of a method; `fixed-N` / `oracle-N` are the fixed trees of budget N."""
     name, _, size = method.partition("-")

@@ -27,16 +27,6 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def _bench(args) -> argparse.Namespace:
-    from vllm_dartree.zoo.shipped import smollm2_pair
-    bench = argparse.Namespace(smollm2=True, datasets=args.datasets,
-                               per_dataset=args.per_dataset, prompts=None, budget=64, width=12,
-                               topk=64, depth=8, dtype=args.dtype, concurrency=[1], ngram_k=4,
-                               alt_drafter=None, in_process=True)
-    bench.target, bench.drafter = smollm2_pair()
-    return bench
-
-
 def _answers(llm, prompts, max_tokens: int) -> list[list[int]]:
     from vllm import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -55,7 +45,7 @@ def main() -> None:
 
     import engine_bench
     from vllm import LLM, SamplingParams
-    bench = _bench(args)
+    bench = engine_bench.smollm2_args(args.datasets, args.per_dataset, args.dtype, 1)
     prompts = engine_bench._prompts(bench)
     if args.dartree_out:              # the child: DARTree's answers, then exit
         llm = LLM(**engine_bench._engine_kwargs(bench, "dartree", None))

@@ -117,12 +117,7 @@ def main() -> None:
     import engine_bench
     from vllm import LLM, SamplingParams
 
-    from vllm_dartree.zoo.shipped import smollm2_pair
-    bench = argparse.Namespace(smollm2=True, datasets=args.datasets,
-                               per_dataset=args.per_dataset, prompts=None, budget=64, width=12,
-                               topk=64, depth=8, dtype=args.dtype, concurrency=[16], ngram_k=4,
-                               alt_drafter=None, in_process=True)
-    bench.target, bench.drafter = smollm2_pair()
+    bench = engine_bench.smollm2_args(args.datasets, args.per_dataset, args.dtype)
     prompts = [{"prompt_token_ids": p} for p in engine_bench._prompts(bench)]
     method = "dartree" if args.method == "plugin-plain" else args.method
     llm = LLM(**engine_bench._engine_kwargs(bench, method, None))

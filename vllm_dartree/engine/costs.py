@@ -137,14 +137,19 @@ class SetupEstimate:
     def first(self, shape, x, seconds: float) -> None:
         self._first[shape] = (np.asarray(x, dtype=np.float64), seconds)
 
-    def again(self, shape, x, seconds: float, theta: np.ndarray | None) -> None:
+    def again(self, shape, x, seconds: float, fit: DecayedLeastSquares) -> None:
+        """A later step of `shape`: the second pairs with the first (`fit` prices any
+        difference in their work, once it has 10 observations)."""
         first = self._first.pop(shape, None)
         if first is None:
             return
         dx = first[0] - np.asarray(x, dtype=np.float64)
-        if dx.any() and theta is None:
-            return                 # different work and no fit to price it with yet
-        diff = first[1] - seconds - (float(dx @ theta) if dx.any() else 0.0)
+        price = 0.0
+        if dx.any():
+            if fit.count < 10:
+                return             # different work and no fit to price it with yet
+            price = float(dx @ fit.theta()[:len(dx)])
+        diff = first[1] - seconds - price
         self._sum = SETUP_DECAY * self._sum + diff
         self._weight = SETUP_DECAY * self._weight + 1.0
         self.pairs += 1
@@ -257,7 +262,7 @@ class StepCosts:
         if new:
             setup.first(shape, x, seconds)
         else:
-            setup.again(shape, x, seconds, fit.theta()[:len(x)] if fit.count >= 10 else None)
+            setup.again(shape, x, seconds, fit)
         known = setup.seconds if new else None
         return seconds if known is None else seconds - known
 
