@@ -320,11 +320,23 @@ def per_step(level: dict) -> float | None:
     return (level["tokens"] - level["requests"]) / steps if steps > 0 else None
 
 
+def repeat_spread(level: dict, base: dict) -> str:
+    """The lowest and highest of a level's ratios to plain decoding, repeat by repeat (each
+    repeat's against plain's in the same repeat, interleaved, so the machine's drift hits
+    both): how far one repeat can be from another. '-' for one repeat."""
+    ours, plain = level.get("repeat_rates", []), base.get("repeat_rates", [])
+    if len(ours) < 2 or len(ours) != len(plain):
+        return "-"
+    ratios = [a / b for a, b in zip(ours, plain)]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
 def run_interleaved(sessions: dict[str, EngineSession], levels: list[int],
                     repeats: int = 2, strict: bool = True) -> dict:
     """Every (method, level) `repeats` times, methods in rotating order inside each level;
-    per method and level the summed tokens and seconds, tau, the stages and budget counters
-    of the last repeat, and the outputs (checked identical across repeats)."""
+    per method and level the summed tokens and seconds, each repeat's tokens/s, tau, the
+    stages and budget counters of the last repeat, and the outputs (checked identical across
+    repeats)."""
     names = list(sessions)
     results = {n: {"levels": {}, "outputs": {}} for n in names}
     for rep in range(repeats):
@@ -338,6 +350,7 @@ def run_interleaved(sessions: dict[str, EngineSession], levels: list[int],
                              "requests": 0})
                 for key in ("seconds", "tokens", "drafts", "accepted", "requests"):
                     acc[key] += lv[key]
+                acc.setdefault("repeat_rates", []).append(lv["tokens"] / lv["seconds"])
                 acc["tau"] = 1 + acc["accepted"] / acc["drafts"] if acc["drafts"] else None
                 acc["per_step"] = per_step(acc)
                 acc["stages"], acc["budget"] = lv["stages"], lv["budget"]
@@ -461,7 +474,7 @@ def main() -> None:
           f"tree budget {args.budget} (oracle {2 * args.depth}), width {args.width}, "
           f"top-k {args.topk}")
     print(f"{'method':<9} {'conc':>4} {'tok/s':>8} {'vs plain':>8} {'tau':>6} {'tok/step':>8}"
-          "  time in the dartree worker")
+          f" {'repeats':>9}  time in the dartree worker")
     for method in ["plain"] + [m for m in methods if m != "plain"]:
         for c in args.concurrency:
             lv = results[method]["levels"][str(c)]
@@ -473,7 +486,8 @@ def main() -> None:
             stages = ", ".join(f"{k} {lv['stages'][k] / lv['stage_seconds']:.0%}"
                                for k in ("target", "draft", "walk", "compaction")
                                if k in lv["stages"])
-            print(f"{method:<9} {c:>4} {rate:>8.1f} {ratio:>7.2f}x {tau:>6} {steps:>8}  {stages}")
+            print(f"{method:<9} {c:>4} {rate:>8.1f} {ratio:>7.2f}x {tau:>6} {steps:>8} "
+                  f"{'-' if method == 'plain' else repeat_spread(lv, base):>9}  {stages}")
             if budget_line(lv):
                 print(f"{'':<14} {budget_line(lv)}")
 

@@ -95,6 +95,24 @@ def _install_timers(record: list[dict]) -> None:
     core.EngineCore.step = step
 
 
+def _profile_propose():
+    """A cProfile that records every call of the propose stage (`--profile`)."""
+    import cProfile
+
+    from vllm_dartree.engine import drafting
+    profile = cProfile.Profile()
+    inner = drafting.DraftingMixin.propose_draft_token_ids
+
+    def profiled(self, *args, **kwargs):
+        profile.enable()
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            profile.disable()
+    drafting.DraftingMixin.propose_draft_token_ids = profiled
+    return profile
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--method", default="plugin-plain",
@@ -108,6 +126,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="the target's dtype")
     parser.add_argument("--max-rows", type=int, default=80,
                         help="iterations with more scheduled tokens count as prefills")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile the propose stage (cProfile) and print its N "
+                             "costliest functions")
     args = parser.parse_args()
     if args.method == "plugin-plain":
         os.environ["VLLM_DARTREE_PLAIN"] = "1"
@@ -124,6 +145,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], params, use_tqdm=False)     # warm-up
     record.clear()
+    profile = _profile_propose() if args.profile else None
     start = time.perf_counter()
     for _ in range(args.repeats):
         for i in range(0, len(prompts), args.concurrency):
@@ -147,6 +169,10 @@ def main() -> None:
         means = [1000 * statistics.mean(it.get(s, 0.0) for it in its) for s in STAGES]
         print(f"{'tree' if tree else 'plain':6s} {rows:4d} {len(its):5d} "
               + " ".join(f"{m:7.2f}" for m in means))
+    if profile is not None:
+        import pstats
+        print("\nthe propose stage, cProfile (cumulative seconds over the run):")
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(args.profile)
 
 
 if __name__ == "__main__":

@@ -30,4 +30,10 @@ def test_engine_bench_runs(tmp_path, mode):
     # tokens per decode step of a request: 15 tokens after the prefill's first, in 3 steps
     # of 5 for the oracle, 15 of 1 for plain decoding
     assert [r[5] for r in rows] == ["1.00", "1.00", "5.00", "5.00"], proc.stdout
+    # the spread of the two repeats' ratios to plain decoding (lowest-highest)
+    assert [r[6] for r in rows if r[0] == "plain"] == ["-", "-"], proc.stdout
+    for r in rows:
+        if r[0] == "oracle":
+            low, high = map(float, r[6].split("-"))
+            assert 0 < low <= high, proc.stdout
     assert ("(engines in-process)" in proc.stdout) == bool(mode)
