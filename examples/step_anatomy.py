@@ -13,6 +13,7 @@ attention layers (`attn`) and KV writes (`kvw`), then `sample_tokens` (`sample`)
 the tree walk (`walk`) and the propose stage (`propose`: dartree's planning, lookup, context
 and drafting). It prints the mean milliseconds per kind of step (tree or plain) and rows.
 Run two methods one after the other to compare them (this machine drifts: repeat them).
+`--profile N` adds a cProfile of the propose stage (its N costliest calls, cumulative).
 `plugin-plain` is dartree forced to plain steps (`VLLM_DARTREE_PLAIN=1`).
 """
 
@@ -120,7 +121,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=1, help="rounds over the prompts")
     parser.add_argument("--datasets", default="gsm8k,humaneval,mt-bench",
-                        help="prompt sets, as engine_bench's (code-edit,summary: the repetitive set)")
+                        help="prompt sets, as engine_bench's (code-edit,summary: the "
+                             "repetitive set)")
     parser.add_argument("--per-dataset", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--dtype", default="float32", help="the target's dtype")
