@@ -11,7 +11,9 @@ records: the whole iteration (`core`), `execute_model` (`exec`) and in it the in
 (`prep`), the attention metadata (`meta`), the model forward (`fwd`) and in that the
 attention layers (`attn`) and KV writes (`kvw`), then `sample_tokens` (`sample`) and in it
 the tree walk (`walk`) and the propose stage (`propose`: dartree's planning, lookup, context
-and drafting). It prints the mean milliseconds per kind of step (tree or plain) and rows.
+and drafting). It prints the mean milliseconds per kind of step and rows: `plain` (no draft),
+`chain` (drafts that form one path, verified as causal rows by vLLM's own attention: a
+lookup chain, or a tree cut to a path) and `tree` (drafts with branches, under tree masks).
 Run two methods one after the other to compare them (this machine drifts: repeat them).
 `--profile N` adds a cProfile of the propose stage (its N costliest calls, cumulative).
 `plugin-plain` is dartree forced to plain steps (`VLLM_DARTREE_PLAIN=1`).
@@ -74,13 +76,17 @@ def _install_timers(record: list[dict]) -> None:
         finally:
             current["prep"] = time.perf_counter() - start
             current["rows"] = scheduler_output.total_num_scheduled_tokens
+            spec = scheduler_output.scheduled_spec_decode_tokens or {}
+            current["kind"] = "chain" if any(spec.values()) else "plain"
     GPUModelRunner._prepare_inputs = prepare_inputs
 
     dartree_prepare = runner.DARTreeRunnerMixin._prepare_inputs
 
     def tree_flag(self, *args, **kwargs):
         out = dartree_prepare(self, *args, **kwargs)
-        current["tree"] = bool(self._dt_step is not None and any(self._dt_step.is_tree))
+        step = self._dt_step
+        if step is not None and any(step.is_tree):
+            current["kind"] = "tree"
         return out
     runner.DARTreeRunnerMixin._prepare_inputs = tree_flag
 
@@ -157,7 +163,7 @@ def main() -> None:
     steps = collections.defaultdict(list)
     for it in record:
         if 0 < it.get("rows", 0) <= args.max_rows and "exec" in it:
-            steps[(it.get("tree", False), it["rows"])].append(it)
+            steps[(it.get("kind", "plain"), it["rows"])].append(it)
     prefills = [it for it in record if it.get("rows", 0) > args.max_rows]
     print(f"\n{args.method}, concurrency {args.concurrency}, {args.repeats} round(s): "
           f"{wall:.2f} s wall, {sum(it['core'] for it in prefills):.2f} s in "
@@ -165,11 +171,12 @@ def main() -> None:
           + ", ".join(f"{s} {sum(it.get(s, 0.0) for it in prefills):.2f}" for s in STAGES[1:])
           + " s); mean ms per decode iteration:")
     print(f"{'kind':6s} {'rows':>4s} {'steps':>5s} " + " ".join(f"{s:>7s}" for s in STAGES))
-    for (tree, rows), its in sorted(steps.items()):
+    order = {"plain": 0, "chain": 1, "tree": 2}
+    for (kind, rows), its in sorted(steps.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
         if len(its) < 3:
             continue
         means = [1000 * statistics.mean(it.get(s, 0.0) for it in its) for s in STAGES]
-        print(f"{'tree' if tree else 'plain':6s} {rows:4d} {len(its):5d} "
+        print(f"{kind:6s} {rows:4d} {len(its):5d} "
               + " ".join(f"{m:7.2f}" for m in means))
     if profile is not None:
         import pstats
