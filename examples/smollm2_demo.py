@@ -87,16 +87,8 @@ def main() -> None:
         for session in sessions.values():
             session.close()
 
-    plain = results["plain"]["outputs"]
-    for q, out in list(zip(questions, results[methods[-1]]["outputs"]))[:args.show]:
-        print(f"\n--- {q.dataset} {q.id}\n>>> {q.prompt[:300]}")
-        print(tokenizer.decode(out, skip_special_tokens=True).strip())
-    differ = []
-    for name in methods[1:]:
-        same = sum(a == b for a, b in zip(plain, results[name]["outputs"]))
-        print(f"\n{name}: answers identical to plain decoding: {same}/{len(plain)}", end="")
-        if same != len(plain):
-            differ.append(name)
+    differ = report(questions, results, methods, levels,
+                    lambda ids: tokenizer.decode(ids, skip_special_tokens=True), args.show)
     print(f"\n\nvLLM (CPU, float32), {len(prompts)} prompts, up to {args.max_tokens} tokens; "
           f"dartree = adaptive budget (at most {args.budget}), fixed = {args.budget} nodes "
           "every round, ngram = vLLM's prompt lookup (4 tokens)")
@@ -114,6 +106,33 @@ def main() -> None:
     if differ:
         raise SystemExit(f"{', '.join(differ)} changed the output: this is a bug, please "
                          "report it")
+
+
+def report(questions, results: dict, methods: list[str], levels: list[int], decode,
+           show: int) -> list[str]:
+    """Print the first `show` answers (of the last method, at the first level) and, per
+    method, how many answers equal plain decoding's at every level; return the methods
+    whose answers differ anywhere. `results` is `run_interleaved`'s: outputs per level
+    (`results[name]["outputs"][str(c)]`, one token-id list per prompt)."""
+    first = results[methods[-1]]["outputs"][str(levels[0])]
+    for q, out in list(zip(questions, first))[:show]:
+        print(f"\n--- {q.dataset} {q.id}\n>>> {q.prompt[:300]}")
+        print(decode(out).strip())
+    differ = []
+    for name in methods[1:]:
+        same = total = 0
+        for c in levels:
+            plain, ours = results["plain"]["outputs"][str(c)], results[name]["outputs"][str(c)]
+            if len(plain) != len(ours):
+                raise ValueError(f"{name} at concurrency {c}: {len(ours)} answers for "
+                                 f"{len(plain)} prompts")
+            same += sum(a == b for a, b in zip(plain, ours))
+            total += len(plain)
+        print(f"\n{name}: answers identical to plain decoding: {same}/{total} "
+              f"(concurrency {', '.join(map(str, levels))})", end="")
+        if same != total:
+            differ.append(name)
+    return differ
 
 
 if __name__ == "__main__":
