@@ -366,6 +366,16 @@ def run_interleaved(sessions: dict[str, EngineSession], levels: list[int],
     return results
 
 
+def outputs_differ(results: dict, name: str, level: int) -> int:
+    """How many of `name`'s outputs at concurrency `level` differ from plain decoding's
+    (`run_interleaved`'s results: outputs per level, one token-id list per prompt)."""
+    ours, base = results[name]["outputs"][str(level)], results["plain"]["outputs"][str(level)]
+    if len(ours) != len(base):
+        raise ValueError(f"{name} at concurrency {level}: {len(ours)} outputs for "
+                         f"{len(base)} prompts")
+    return sum(a != b for a, b in zip(ours, base))
+
+
 def _prompts(args) -> list[list[int]]:
     if args.datasets:
         from transformers import AutoTokenizer
@@ -460,11 +470,11 @@ def main() -> None:
             session.close()
     for m in methods:
         for c in args.concurrency:
-            ours, base = results[m]["outputs"][str(c)], results["plain"]["outputs"][str(c)]
-            differ = sum(a != b for a, b in zip(ours, base))
+            differ = outputs_differ(results, m, c)
             if differ:
                 print(f"WARNING: {m}'s outputs differ from plain decoding's at concurrency "
-                      f"{c} in {differ} of {len(base)} requests", flush=True)
+                      f"{c} in {differ} of {len(results['plain']['outputs'][str(c)])} "
+                      "requests", flush=True)
             if results[m]["levels"][str(c)].get("repeats_differ"):
                 print(f"note: {m} at concurrency {c}: "
                       f"{results[m]['levels'][str(c)]['repeats_differ']} repeated prompts "

@@ -29,6 +29,7 @@ from engine_bench import (  # noqa: E402
     KV_CACHE_BYTES,
     EngineSession,
     budget_line,
+    outputs_differ,
     run_interleaved,
 )
 
@@ -120,14 +121,8 @@ def report(questions, results: dict, methods: list[str], levels: list[int], deco
         print(decode(out).strip())
     differ = []
     for name in methods[1:]:
-        same = total = 0
-        for c in levels:
-            plain, ours = results["plain"]["outputs"][str(c)], results[name]["outputs"][str(c)]
-            if len(plain) != len(ours):
-                raise ValueError(f"{name} at concurrency {c}: {len(ours)} answers for "
-                                 f"{len(plain)} prompts")
-            same += sum(a == b for a, b in zip(plain, ours))
-            total += len(plain)
+        total = sum(len(results["plain"]["outputs"][str(c)]) for c in levels)
+        same = total - sum(outputs_differ(results, name, c) for c in levels)
         print(f"\n{name}: answers identical to plain decoding: {same}/{total} "
               f"(concurrency {', '.join(map(str, levels))})", end="")
         if same != total:
